@@ -1,0 +1,44 @@
+# Flowstate: `make run` serves the app on http://127.0.0.1:8000, `make test` runs the suite.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+VENDOR := static/vendor/.built
+
+.PHONY: run test test-all bench install static lint clean
+
+$(INSTALLED): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+install: $(INSTALLED)
+
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund
+
+$(VENDOR): node_modules/.package-lock.json scripts/build_static.py
+	$(PY) scripts/build_static.py
+	@touch $@
+
+static: $(INSTALLED) $(VENDOR)
+
+run: static
+	$(PY) scripts/run.py
+
+# Real PostgreSQL and Redis when reachable (scripts/test_services.py), slow learning runs excluded.
+test: static
+	@eval "$$($(PY) scripts/test_services.py)"; $(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: static
+	@eval "$$($(PY) scripts/test_services.py)"; $(PY) -m pytest -m "" $(PYTEST_ARGS)
+
+bench: static
+	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check webapp training sandboxes kernels tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) node_modules static/vendor var

@@ -1,0 +1,155 @@
+"""Learning benchmark (slow, not CI): asynchronous GRPO on the toy tier from an SFT checkpoint.
+
+Measures held-out pass@1 of the starting checkpoint (baseline) and of the trained one in the same
+run, on the same held-out toy tasks and sampling settings, with 95 % intervals, and records the
+training curves (reward, pass rate, tool calls per turn, staleness) from the driver's metrics.
+
+    .venv/bin/python benchmarks/bench_learning.py --init-checkpoint var/runs/sft/checkpoints/step-00000100 \\
+        --minutes 60 --heldout 100 --attempts 4 --run-dir var/runs/learning
+
+Goal: pass@1 after - before >= 15 points with the 95 % interval of the difference above zero,
+within 60 minutes on the 2-core development machine. The final checkpoint is the one to ship as the
+demo model (FLOWSTATE_MODEL_CHECKPOINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training.bench.runner import BenchConfig, run_benchmark
+from training.rollout.driver import METRICS_FILE, AsyncRLConfig, read_jsonl, run_async_rl
+from training.train.state import latest_checkpoint
+
+
+def evaluate(checkpoint: str, args: argparse.Namespace, exclude_tools: tuple[str, ...] = ()) -> dict:
+    config = BenchConfig(
+        exclude_tools=exclude_tools,
+        suite=f"toy-heldout-{args.heldout}",
+        policy=f"checkpoint:{checkpoint}",
+        attempts=args.attempts,
+        max_turns=args.max_turns,
+        max_tokens_per_turn=args.max_tokens_per_turn,
+        temperature=args.temperature,
+        concurrency=2,
+    )
+    summary = run_benchmark(config=config)
+    summary.pop("per_task")
+    return summary
+
+
+def difference_interval(before: dict, after: dict) -> tuple[float, float, float]:
+    """Difference of pass@1 and its 95 % normal-approximation interval (tasks are the unit)."""
+    n0, n1 = before["scored_tasks"], after["scored_tasks"]
+    p0, p1 = before["pass_at_1"] or 0.0, after["pass_at_1"] or 0.0
+    standard_error = math.sqrt(p0 * (1 - p0) / max(n0, 1) + p1 * (1 - p1) / max(n1, 1))
+    difference = p1 - p0
+    return difference, difference - 1.96 * standard_error, difference + 1.96 * standard_error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--init-checkpoint", default=None, help="SFT checkpoint to start from (required)")
+    parser.add_argument("--run-dir", default="var/runs/learning")
+    parser.add_argument("--minutes", type=float, default=60.0, help="training wall-clock budget")
+    parser.add_argument("--heldout", type=int, default=100, help="held-out toy tasks evaluated")
+    parser.add_argument("--attempts", type=int, default=4, help="attempts per held-out task")
+    parser.add_argument("--tasks", type=int, default=256, help="training task pool")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--max-tokens-per-turn", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    args = parser.parse_args()
+    if args.init_checkpoint is None:
+        # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
+        print(
+            "bench_learning: not run. It needs an SFT checkpoint and ~60 minutes: "
+            "benchmarks/bench_learning.py --init-checkpoint PATH [--minutes 60]"
+        )
+        return
+
+    started = time.monotonic()
+    before = evaluate(args.init_checkpoint, args)
+    stop = threading.Event()
+    timer = threading.Timer(args.minutes * 60, stop.set)
+    timer.start()
+    config = AsyncRLConfig(
+        run_dir=args.run_dir,
+        init_checkpoint=args.init_checkpoint,
+        steps=100_000,
+        tasks=args.tasks,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
+        max_staleness=args.max_staleness,
+        rollout_workers=args.workers,
+        max_turns=args.max_turns,
+        max_tokens_per_turn=args.max_tokens_per_turn,
+        temperature=args.temperature,
+        lr=args.lr,
+        keep_checkpoints=3,
+    )
+    training_started = time.monotonic()
+    try:
+        run_async_rl(config, stop=stop)
+    finally:
+        timer.cancel()
+    training_minutes = (time.monotonic() - training_started) / 60
+    final = latest_checkpoint(args.run_dir)
+    after = evaluate(str(final), args) if final is not None else None
+    after_without_search = evaluate(str(final), args, ("semantic_search",)) if final is not None else None
+    metrics = read_jsonl(Path(args.run_dir) / METRICS_FILE)
+    curves = {
+        key: [[row["step"], row.get(key)] for row in metrics]
+        for key in (
+            "mean_reward",
+            "pass_rate",
+            "tool_calls_per_turn",
+            "parallel_call_share",
+            "staleness_mean",
+            "mean_completion_tokens",
+        )
+    }
+    report = {
+        "init_checkpoint": args.init_checkpoint,
+        "final_checkpoint": str(final) if final else None,
+        "training_minutes": round(training_minutes, 1),
+        "steps": len(metrics),
+        "heldout_before": before,
+        "heldout_after": after,
+        "heldout_after_without_semantic_search": after_without_search,
+        "curves": curves,
+        "total_minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    if after is not None:
+        difference, low, high = difference_interval(before, after)
+        report["pass_at_1_gain_points"] = round(100 * difference, 1)
+        report["pass_at_1_gain_ci95_points"] = [round(100 * low, 1), round(100 * high, 1)]
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.run_dir) / "learning_report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({key: value for key, value in report.items() if key != "curves"}, indent=2))
+    if after is not None:
+        print(
+            f"held-out pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f} "
+            f"({report['pass_at_1_gain_points']:+.1f} points, 95% CI {report['pass_at_1_gain_ci95_points']}) "
+            f"after {training_minutes:.1f} min / {len(metrics)} steps; ratio after/before "
+            f"{(after['pass_at_1'] or 0) / max(before['pass_at_1'] or 0, 1e-9):.2f}"
+        )
+    else:
+        print("no training step finished within the budget: nothing to evaluate")
+
+
+if __name__ == "__main__":
+    main()

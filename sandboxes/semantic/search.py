@@ -1,0 +1,217 @@
+"""The agent's ``semantic_search`` tool: one shared index per snapshot plus each fork's own edits."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sandboxes.base import SandboxError, SandboxGone
+from sandboxes.semantic.chunking import SKIPPED_DIRECTORIES, decode_source, is_indexable_path
+from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
+from sandboxes.semantic.diffs import changed_paths, original_text, parse_unified_diff
+from sandboxes.semantic.encoder import encode_texts, encoder_fingerprint, load_encoder
+from sandboxes.semantic.index import (
+    BaseIndex,
+    OverlayIndex,
+    SearchHit,
+    base_index_load_or_build,
+    iter_directory_files,
+)
+from sandboxes.semantic.stores import VectorStore, table_search, vector_store_create
+
+logger = logging.getLogger(__name__)
+
+MAX_QUERY_CHARS = 2000
+_OVERLAYS_KEPT = 512
+_BASES_KEPT = 64
+
+
+@dataclass
+class _LoadedBase:
+    index: BaseIndex
+    store: VectorStore
+
+
+class _Registry:
+    """Per-process caches: one loaded base index per snapshot and encoder, one overlay per sandbox."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bases: OrderedDict[tuple[str, str, str], _LoadedBase] = OrderedDict()
+        self.base_locks: dict[tuple[str, str, str], threading.Lock] = {}
+        self.overlays: OrderedDict[tuple[str, str], OverlayIndex] = OrderedDict()
+
+
+_REGISTRY = _Registry()
+
+
+def _base_key(*, snapshot_id: str, config: SemanticSearchConfig) -> tuple[str, str, str]:
+    return (snapshot_id, encoder_fingerprint(config.encoder_path), str(Path(config.index_root).resolve()))
+
+
+def base_index_for_snapshot(*, sandbox, config: SemanticSearchConfig) -> _LoadedBase:
+    """The shared index of ``sandbox.snapshot``, loaded once per process and built once per snapshot."""
+    snapshot = sandbox.snapshot
+    key = _base_key(snapshot_id=snapshot.id, config=config)
+    with _REGISTRY.lock:
+        loaded = _REGISTRY.bases.get(key)
+        if loaded is not None:
+            _REGISTRY.bases.move_to_end(key)
+            return loaded
+        build_lock = _REGISTRY.base_locks.setdefault(key, threading.Lock())
+    with build_lock:
+        with _REGISTRY.lock:
+            loaded = _REGISTRY.bases.get(key)
+        if loaded is not None:
+            return loaded
+        index = base_index_load_or_build(
+            snapshot_id=snapshot.id, files=lambda: snapshot_files(sandbox=sandbox, config=config), config=config
+        )
+        store = vector_store_create(table=index.table, index_key=index.directory.as_posix(), config=config)
+        loaded = _LoadedBase(index=index, store=store)
+        with _REGISTRY.lock:
+            _REGISTRY.bases[key] = loaded
+            # Long RL runs visit many snapshots; keep the recent ones loaded and let the rest go
+            # (they stay on disk and load again in milliseconds).
+            while len(_REGISTRY.bases) > _BASES_KEPT:
+                evicted_key, evicted = _REGISTRY.bases.popitem(last=False)
+                _REGISTRY.base_locks.pop(evicted_key, None)
+                close = getattr(evicted.store, "close", None)
+                if close is not None:
+                    close()
+        logger.info(
+            "semantic index for snapshot %s: %d chunks (%s, %s store)",
+            snapshot.id, len(index.table.chunks), "built" if index.built_here else "loaded", store.name,
+        )
+        return loaded
+
+
+def snapshot_files(*, sandbox, config: SemanticSearchConfig) -> Iterator[tuple[str, bytes]]:
+    """The snapshot's indexable files: from its frozen host directory, else from the sandbox minus its edits."""
+    location = Path(sandbox.snapshot.location)
+    if location.is_absolute() and location.is_dir():
+        yield from iter_directory_files(location, max_file_bytes=config.chunking.max_file_bytes)
+        return
+    patches = parse_unified_diff(sandbox.diff())
+    touched = changed_paths(patches)
+    for path in _walk_sandbox(sandbox=sandbox, directory=""):
+        if path in touched or not is_indexable_path(path):
+            continue
+        data = sandbox.read_bytes(path)
+        if len(data) <= config.chunking.max_file_bytes:
+            yield path, data
+    for patch in patches:
+        if patch.old_path is None or not is_indexable_path(patch.old_path):
+            continue
+        current = None
+        if patch.new_path is not None:
+            current = decode_source(sandbox.read_bytes(patch.new_path))
+        text = original_text(patch=patch, current=current)
+        if text is not None:
+            yield patch.old_path, text.encode("utf-8")
+
+
+def _walk_sandbox(*, sandbox, directory: str) -> Iterator[str]:
+    for entry in sandbox.list_dir(directory or "."):
+        path = f"{directory}/{entry.name}" if directory else entry.name
+        if entry.kind == "dir" and entry.name not in SKIPPED_DIRECTORIES:
+            yield from _walk_sandbox(sandbox=sandbox, directory=path)
+        elif entry.kind == "file":
+            yield path
+
+
+def fork_changes(*, sandbox) -> dict[str, bytes | None]:
+    """Indexable files the fork changed against its snapshot: path -> current bytes (None: deleted)."""
+    current: dict[str, bytes | None] = {}
+    for path in sorted(changed_paths(parse_unified_diff(sandbox.diff()))):
+        if not is_indexable_path(path):
+            continue
+        try:
+            current[path] = sandbox.read_bytes(path)
+        except SandboxGone:
+            raise
+        except (FileNotFoundError, IsADirectoryError, SandboxError):
+            # Deleted, or replaced by something that is not a regular file: nothing to index.
+            current[path] = None
+    return current
+
+
+def _overlay_for(*, sandbox, config: SemanticSearchConfig) -> OverlayIndex:
+    key = (str(sandbox.id), encoder_fingerprint(config.encoder_path))
+    with _REGISTRY.lock:
+        overlay = _REGISTRY.overlays.get(key)
+        if overlay is None:
+            overlay = OverlayIndex(config=config)
+            _REGISTRY.overlays[key] = overlay
+            while len(_REGISTRY.overlays) > _OVERLAYS_KEPT:
+                _REGISTRY.overlays.popitem(last=False)
+        else:
+            _REGISTRY.overlays.move_to_end(key)
+        return overlay
+
+
+def validate_query(*, query: object, k: object, config: SemanticSearchConfig) -> tuple[str, int]:
+    if not isinstance(query, str) or not query.strip():
+        raise SemanticSearchError("query must be a non-empty string describing the code to find")
+    if len(query) > MAX_QUERY_CHARS:
+        raise SemanticSearchError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_k:
+        raise SemanticSearchError(f"k must be an integer from 1 to {config.max_k}, got {k!r}")
+    return query.strip(), k
+
+
+def search_hits(*, sandbox, query: str, k: int, config: SemanticSearchConfig) -> list[SearchHit]:
+    base = base_index_for_snapshot(sandbox=sandbox, config=config)
+    overlay = _overlay_for(sandbox=sandbox, config=config)
+    overlay.refresh(current=fork_changes(sandbox=sandbox))
+    encoder = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
+    query_vector = encode_texts(encoder=encoder, texts=[query], batch_size=1)[0]
+    return merge_hits(base=base, overlay=overlay, query_vector=query_vector, k=k)
+
+
+def merge_hits(*, base: _LoadedBase, overlay: OverlayIndex, query_vector: np.ndarray, k: int) -> list[SearchHit]:
+    hits = [
+        SearchHit(base.index.table.chunks[row], score)
+        for row, score in base.store.search(query=query_vector, k=k, exclude_paths=overlay.changed_paths)
+    ]
+    for table in overlay.tables():
+        hits.extend(SearchHit(table.chunks[row], score) for row, score in table_search(table=table, query=query_vector, k=k))
+    hits.sort(key=lambda hit: (-hit.score, hit.chunk.path, hit.chunk.start_line))
+    return hits[:k]
+
+
+def format_hits(*, query: str, hits: list[SearchHit], snippet_lines: int) -> str:
+    """The tool's result text, identical for product tasks and RL rollouts."""
+    if not hits:
+        return f'No code found for "{query}": the workspace has no indexable source files.'
+    lines = [f'Top {len(hits)} results for "{query}":']
+    for rank, hit in enumerate(hits, start=1):
+        chunk = hit.chunk
+        label = f" {chunk.kind} {chunk.symbol}" if chunk.symbol else f" {chunk.kind}"
+        lines.append("")
+        lines.append(f"{rank}. {chunk.path}:{chunk.start_line}-{chunk.end_line} (score {hit.score:.3f}){label}")
+        source_lines = chunk.text.splitlines()
+        width = len(str(chunk.start_line + min(len(source_lines), snippet_lines) - 1))
+        for offset, text in enumerate(source_lines[:snippet_lines]):
+            lines.append(f"   {str(chunk.start_line + offset).rjust(width)} | {text}")
+        if len(source_lines) > snippet_lines:
+            lines.append(f"   ... {len(source_lines) - snippet_lines} more lines")
+    return "\n".join(lines)
+
+
+def semantic_search(*, sandbox, query: str, k: int = 10, config: SemanticSearchConfig | None = None) -> str:
+    """Find the code in ``sandbox``'s workspace that best matches a natural-language ``query``.
+
+    Returns ranked hits as text: path, line range, cosine score and a numbered snippet. Bad
+    arguments raise ``SemanticSearchError`` with a message the agent can act on.
+    """
+    config = config or SemanticSearchConfig.from_environment()
+    query, k = validate_query(query=query, k=k, config=config)
+    hits = search_hits(sandbox=sandbox, query=query, k=k, config=config)
+    return format_hits(query=query, hits=hits, snippet_lines=config.snippet_lines)

@@ -1,0 +1,310 @@
+/* Flowstate trace view: renders the events of one agent run, live over a resumable websocket or
+ * from the REST API. Turns render lazily (only when scrolled into view), so 5,000 events stay fast.
+ * Event format: see training/agent/loop.py. */
+(function () {
+  "use strict";
+
+  function el(tag, attrs, children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (key === "text") node.textContent = value;
+      else if (key === "cls") node.className = value;
+      else node.setAttribute(key, value);
+    }
+    for (const child of children || []) if (child) node.appendChild(child);
+    return node;
+  }
+
+  function fmtTokens(n) { return n >= 10000 ? (n / 1000).toFixed(1) + "k" : String(n); }
+  function fmtSeconds(s) { return s >= 60 ? Math.floor(s / 60) + "m" + String(Math.round(s % 60)).padStart(2, "0") + "s" : s.toFixed(1) + "s"; }
+
+  function simpleDiff(path, oldText, newText) {
+    const minus = (oldText || "").split("\n").map((l) => "-" + l);
+    const plus = (newText || "").split("\n").map((l) => "+" + l);
+    return `--- a/${path}\n+++ b/${path}\n@@ -1,${minus.length} +1,${plus.length} @@\n${minus.join("\n")}\n${plus.join("\n")}\n`;
+  }
+
+  function renderDiff(container, diffText) {
+    if (!diffText) { container.appendChild(el("p", { cls: "muted", text: "No changes." })); return; }
+    if (window.Diff2HtmlUI) {
+      const target = el("div", { cls: "diff" });
+      container.appendChild(target);
+      new window.Diff2HtmlUI(target, diffText, { drawFileList: false, matching: "lines", outputFormat: "line-by-line", highlight: false, colorScheme: "dark" }).draw();
+    } else {
+      container.appendChild(el("pre", { cls: "diff-raw", text: diffText }));
+    }
+  }
+
+  class TraceView {
+    constructor(root, options) {
+      this.root = root;
+      this.taskId = options.taskId;
+      this.apiBase = `/api/tasks/${this.taskId}`;
+      this.events = [];
+      this.lastSeq = -1;
+      this.turns = new Map();
+      this.calls = new Map();
+      this.status = options.status || "queued";
+      this.startedTs = null;
+      this.lastTs = null;
+      this.totals = { prompt: 0, completion: 0, calls: 0, turns: 0 };
+      this.reconnects = 0;
+      this.socket = null;
+      this.closedByUs = false;
+      this.timeline = root.querySelector("[data-role=timeline]");
+      this.counters = root.querySelector("[data-role=counters]");
+      this.todoPanel = root.querySelector("[data-role=todos]");
+      this.finalPanel = root.querySelector("[data-role=final]");
+      this.statusBadge = root.querySelector("[data-role=status]");
+      this.connection = root.querySelector("[data-role=connection]");
+      this.progress = root.querySelector("[data-role=progress]");
+      this.observer = new IntersectionObserver((entries) => {
+        for (const entry of entries) if (entry.isIntersecting) this.renderTurnBody(Number(entry.target.dataset.turn));
+      }, { rootMargin: "600px" });
+      this.setStatus(this.status, options.reason || "");
+      setInterval(() => this.renderCounters(), 1000);
+    }
+
+    // --- data ---
+    add(event) {
+      if (event.seq <= this.lastSeq) return;  // duplicate: already shown
+      this.lastSeq = event.seq;
+      this.events.push(event);
+      if (this.startedTs === null) this.startedTs = event.ts;
+      this.lastTs = event.ts;
+      const p = event.payload || {};
+      if (event.kind === "model_output") { this.totals.prompt += p.prompt_tokens || 0; this.totals.completion += p.completion_tokens || 0; }
+      if (event.kind === "summary") { this.totals.prompt += p.prompt_tokens || 0; this.totals.completion += p.completion_tokens || 0; }
+      if (event.kind === "tool_call") this.totals.calls += 1;
+      if (event.kind === "turn_start") this.totals.turns = Math.max(this.totals.turns, event.turn);
+      if (event.kind === "tool_call" && p.name === "todo_write" && p.arguments && Array.isArray(p.arguments.todos)) this.renderTodos(p.arguments.todos);
+      if (event.kind === "final") this.renderFinal(event);
+      const turn = this.turnFor(event);
+      turn.events.push(event);
+      this.updateTurnHeader(turn);
+      if (turn.rendered) this.renderEvent(turn, event);
+    }
+
+    turnFor(event) {
+      const key = event.kind === "final" || event.kind === "start" ? (event.kind === "start" ? -1 : 1e9) : event.turn;
+      let turn = this.turns.get(key);
+      if (!turn) {
+        const section = el("section", { cls: "turn", "data-turn": String(key) });
+        const header = el("header", { cls: "turn-header" });
+        const body = el("div", { cls: "turn-body" });
+        section.append(header, body);
+        this.timeline.appendChild(section);
+        turn = { key, section, header, body, events: [], rendered: false, group: null };
+        this.turns.set(key, turn);
+        this.observer.observe(section);
+      }
+      return turn;
+    }
+
+    updateTurnHeader(turn) {
+      let label;
+      if (turn.key === -1) label = "Task";
+      else if (turn.key === 1e9) label = "Result";
+      else {
+        const out = turn.events.find((e) => e.kind === "model_output");
+        const calls = turn.events.filter((e) => e.kind === "tool_call").length;
+        const parts = [`Turn ${turn.key}`];
+        if (out) parts.push(`${fmtTokens(out.payload.prompt_tokens)} prompt · ${fmtTokens(out.payload.completion_tokens)} completion tokens`);
+        if (calls) parts.push(`${calls} tool call${calls > 1 ? "s" : ""}${calls > 1 ? " in parallel" : ""}`);
+        if (turn.events.some((e) => e.kind === "summary")) parts.push("context summarised");
+        label = parts.join(" · ");
+      }
+      turn.header.textContent = label;
+    }
+
+    renderTurnBody(key) {
+      const turn = this.turns.get(key);
+      if (!turn || turn.rendered) return;
+      turn.rendered = true;
+      this.observer.unobserve(turn.section);
+      for (const event of turn.events) this.renderEvent(turn, event);
+    }
+
+    // --- rendering ---
+    renderEvent(turn, event) {
+      const p = event.payload || {};
+      const body = turn.body;
+      switch (event.kind) {
+        case "start":
+          body.appendChild(el("div", { cls: "ev ev-start" }, [el("div", { cls: "label", text: `Prompt · ${p.policy || ""}` }), el("pre", { text: p.prompt })]));
+          break;
+        case "turn_start":
+          break;
+        case "model_output":
+          if (p.content) body.appendChild(el("div", { cls: "ev ev-model", "data-seq": String(event.seq) }, [el("div", { cls: "assistant", text: p.content })]));
+          break;
+        case "tool_call": {
+          if (!turn.group || turn.groupSize !== p.count || turn.groupFilled >= p.count) {
+            turn.group = el("div", { cls: "call-group" + (p.count > 1 ? " parallel" : "") });
+            if (p.count > 1) turn.group.appendChild(el("div", { cls: "label group-label", text: `${p.count} parallel calls` }));
+            turn.groupSize = p.count; turn.groupFilled = 0;
+            body.appendChild(turn.group);
+          }
+          turn.groupFilled += 1;
+          const card = el("div", { cls: `ev ev-tool tool-${p.name}`, "data-seq": String(event.seq), "data-call": p.call_id });
+          card.appendChild(el("div", { cls: "tool-head" }, [el("span", { cls: "tool-name", text: p.name }), el("span", { cls: "muted spinner-small", text: " running…" })]));
+          card.appendChild(this.renderArguments(p.name, p.arguments));
+          turn.group.appendChild(card);
+          this.calls.set(p.call_id + ":" + turn.key, card);
+          break;
+        }
+        case "tool_result": {
+          const card = this.calls.get(p.call_id + ":" + turn.key);
+          const target = card || body.appendChild(el("div", { cls: "ev ev-tool" }));
+          this.renderResult(target, event);
+          break;
+        }
+        case "summary":
+          body.appendChild(el("div", { cls: "ev ev-summary", "data-seq": String(event.seq) }, [
+            el("div", { cls: "label", text: `Context summarised here (summary ${p.index}, context was ~${fmtTokens(p.context_tokens)} tokens)` }),
+            el("pre", { text: p.summary })]));
+          break;
+        case "retry":
+          body.appendChild(el("div", { cls: "ev ev-retry warn", text: `Retry: ${p.reason}` }));
+          break;
+        case "error":
+          body.appendChild(el("div", { cls: "ev ev-error bad", text: `${p.infrastructure ? "Infrastructure error" : "Error"}: ${p.message}` }));
+          break;
+        case "final":
+          body.appendChild(el("div", { cls: "ev ev-final" }, [el("div", { cls: `label ${p.status === "succeeded" ? "ok" : "bad"}`, text: `${p.status}: ${p.reason}` }),
+            p.content ? el("div", { cls: "assistant", text: p.content }) : null]));
+          break;
+        default:
+          body.appendChild(el("pre", { cls: "ev", text: JSON.stringify(event) }));
+      }
+    }
+
+    renderArguments(name, args) {
+      if (typeof args === "string") return el("pre", { cls: "args bad", text: args });
+      args = args || {};
+      if (name === "run_terminal") return el("pre", { cls: "args cmd", text: "$ " + (args.command || "") });
+      if (name === "edit_file") {
+        const box = el("div", { cls: "args" }, [el("div", { cls: "muted", text: args.path || "" })]);
+        renderDiff(box, simpleDiff(args.path || "file", args.old_str ?? "", args.new_str ?? ""));
+        return box;
+      }
+      if (name === "create_file") {
+        const box = el("div", { cls: "args" });
+        renderDiff(box, simpleDiff(args.path || "file", "", args.content || ""));
+        return box;
+      }
+      if (name === "todo_write") return el("div", { cls: "args muted", text: `${(args.todos || []).length} todo items` });
+      const summary = Object.entries(args).map(([k, v]) => `${k}: ${typeof v === "string" ? v : JSON.stringify(v)}`).join("\n");
+      return el("pre", { cls: "args", text: summary });
+    }
+
+    renderResult(card, event) {
+      const p = event.payload || {};
+      const head = card.querySelector(".spinner-small");
+      if (head) head.textContent = ` ${p.ok ? "ok" : "failed"} · ${fmtSeconds(p.duration_s || 0)}`;
+      if (head) head.className = p.ok ? "ok" : "bad";
+      const meta = p.meta || {};
+      const output = el("div", { cls: "result", "data-seq": String(event.seq) });
+      if (p.name === "run_terminal" && meta.exit_code !== undefined) {
+        output.appendChild(el("div", { cls: meta.exit_code === 0 ? "ok" : "bad", text: `exit code ${meta.exit_code}${meta.timed_out ? " (timed out)" : ""}` }));
+      }
+      if ((p.name === "edit_file" || p.name === "create_file") && meta.diff) renderDiff(output, meta.diff);
+      else if (p.name === "todo_write" && p.ok) output.appendChild(el("div", { cls: "muted", text: "todo list updated" }));
+      else output.appendChild(el("pre", { cls: "mono" + (p.name === "run_terminal" ? " terminal" : ""), text: p.display || "" }));
+      if (p.output_chars && p.output_chars > (p.display || "").length) {
+        const link = el("a", { href: `${this.apiBase}/events/${event.seq}/output/`, target: "_blank", text: `full output (${p.output_chars} characters)` });
+        output.appendChild(link);
+      }
+      card.appendChild(output);
+    }
+
+    renderTodos(todos) {
+      if (!this.todoPanel) return;
+      this.todoPanel.replaceChildren(...todos.map((t) => el("li", { cls: `todo ${t.status}`, text: `${t.status === "completed" ? "✔" : t.status === "in_progress" ? "▶" : "○"} ${t.content}` })));
+    }
+
+    renderFinal(event) {
+      if (!this.finalPanel) return;
+      const p = event.payload;
+      this.finalPanel.replaceChildren(
+        el("h3", { text: "Result" }),
+        el("div", { cls: p.status === "succeeded" ? "ok" : "bad", text: `${p.status}: ${p.reason}` }),
+        p.content ? el("div", { cls: "assistant final-message", text: p.content }) : el("span"),
+      );
+      const diffBox = el("div", { cls: "final-diff" });
+      this.finalPanel.appendChild(diffBox);
+      renderDiff(diffBox, p.diff);
+      this.setStatus(p.status, p.reason);
+    }
+
+    renderCounters() {
+      if (!this.counters) return;
+      const running = this.status === "running" || this.status === "queued";
+      const end = running ? Date.now() / 1000 : this.lastTs;
+      const elapsed = this.startedTs !== null && end ? Math.max(0, end - this.startedTs) : 0;
+      this.counters.textContent = `${this.totals.turns} turns · ${this.totals.calls} tool calls · ${fmtTokens(this.totals.prompt)} prompt / ${fmtTokens(this.totals.completion)} completion tokens · ${fmtSeconds(elapsed)} · ${this.events.length} events`;
+    }
+
+    setStatus(status, reason) {
+      this.status = status;
+      if (this.statusBadge) { this.statusBadge.textContent = status; this.statusBadge.className = `badge ${status}`; this.statusBadge.title = reason || ""; }
+      if (this.progress) this.progress.hidden = !(status === "running" || status === "queued");
+      this.root.dataset.status = status;
+      this.renderCounters();
+    }
+
+    // --- transport ---
+    async loadAll() {
+      for (;;) {
+        const response = await fetch(`${this.apiBase}/events/?after=${this.lastSeq}&limit=2000`, { credentials: "same-origin" });
+        if (!response.ok) throw new Error(`events request failed: ${response.status}`);
+        const batch = await response.json();
+        for (const event of batch) this.add(event);
+        if (batch.length < 2000) break;
+      }
+      this.renderCounters();
+    }
+
+    connect() {
+      const scheme = location.protocol === "https:" ? "wss" : "ws";
+      this.closedByUs = false;
+      const socket = new WebSocket(`${scheme}://${location.host}/ws/tasks/${this.taskId}/events/?after=${this.lastSeq}`);
+      this.socket = socket;
+      this.setConnection("connecting");
+      socket.onopen = () => this.setConnection("live");
+      socket.onmessage = (message) => {
+        const data = JSON.parse(message.data);
+        if (data.type === "events") for (const event of data.events) this.add(event);
+        else if (data.type === "status") this.setStatus(data.status, data.reason);
+      };
+      socket.onclose = (closeEvent) => {
+        if (this.socket !== socket) return;
+        this.socket = null;
+        if (closeEvent.code >= 4400 && closeEvent.code < 4500) { this.setConnection(`closed (${closeEvent.code})`); return; }
+        if (this.closedByUs || this.status === "succeeded" || this.status === "failed" || this.status === "cancelled") { this.setConnection("finished"); return; }
+        this.reconnects += 1;
+        this.setConnection("reconnecting");
+        setTimeout(() => this.connect(), Math.min(5000, 250 * this.reconnects));
+      };
+    }
+
+    /* Used by tests and the "reconnect" button: drop the socket as a network failure would. */
+    dropConnection() { if (this.socket) this.socket.close(); }
+
+    setConnection(state) { if (this.connection) this.connection.textContent = state; this.root.dataset.connection = state; }
+  }
+
+  window.FlowstateTrace = TraceView;
+  document.addEventListener("DOMContentLoaded", () => {
+    for (const root of document.querySelectorAll("[data-trace]")) {
+      const view = new TraceView(root, { taskId: Number(root.dataset.taskId), status: root.dataset.status, reason: root.dataset.reason });
+      root.traceView = view;
+      if (!window.flowstateTrace) window.flowstateTrace = view;
+      const live = root.dataset.live === "true" && (view.status === "running" || view.status === "queued");
+      if (live) view.connect();
+      else view.loadAll().catch((error) => view.setConnection(String(error)));
+      const reconnect = root.querySelector("[data-role=reconnect]");
+      if (reconnect) reconnect.addEventListener("click", () => view.dropConnection());
+    }
+  });
+})();

@@ -1,0 +1,357 @@
+"""Experiment pages, services, monitor (real driver process), websocket dashboard and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import websockets
+from django.core.management import call_command
+from django.urls import reverse
+
+from training.checkpoint import create_random_checkpoint
+from webapp.accounts.services import api_token_get_or_create
+from webapp.experiments import services
+from webapp.experiments.models import BenchmarkRun, Experiment, ExperimentRollout, ExperimentStep
+
+
+@pytest.fixture(scope="module")
+def policy_checkpoint(tmp_path_factory):
+    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
+
+
+@pytest.fixture
+def state_dir(settings, tmp_path):
+    settings.STATE_DIR = tmp_path
+    return tmp_path
+
+
+def _small_config(checkpoint: str, **changes) -> dict:
+    return {
+        "init_checkpoint": checkpoint,
+        "steps": 2,
+        "tasks": 2,
+        "group_size": 2,
+        "groups_per_step": 1,
+        "max_staleness": 1,
+        "rollout_workers": 2,
+        "max_turns": 1,
+        "max_tokens_per_turn": 8,
+        "ray_num_cpus": 1,
+        **changes,
+    }
+
+
+def test_launch_form_is_generated_from_the_typed_config(client, owner):
+    client.force_login(owner)
+    page = client.get(reverse("experiments:experiment-list")).content.decode()
+    for name in ("max_staleness", "group_size", "rollout_workers", "init_checkpoint"):
+        assert f'name="{name}"' in page
+    assert "Largest policy-version lag between generating a sample and training on it" in page
+    assert 'name="run_dir"' not in page  # set by the server, never by the user
+
+
+def test_invalid_config_explains_the_fix_and_creates_nothing(client, owner, policy_checkpoint, state_dir):
+    client.force_login(owner)
+    data = {"name": "bad", **_small_config(policy_checkpoint, group_size=1)}
+    response = client.post(reverse("experiments:experiment-list"), data)
+    assert response.status_code == 400
+    assert 'data-error-for="group_size"' in response.content.decode()
+    assert "group_size must be &gt;= 2" in response.content.decode()
+    response = client.post(
+        reverse("experiments:experiment-list"), {**data, "group_size": 2, "init_checkpoint": "/nope"}
+    )
+    assert 'data-error-for="init_checkpoint"' in response.content.decode()
+    assert not Experiment.objects.exists()
+
+
+def test_launch_enqueues_after_commit_and_permissions_hold(
+    client, owner, teammate, outsider, team, policy_checkpoint, state_dir, django_capture_on_commit_callbacks
+):
+    client.force_login(owner)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = client.post(
+            reverse("experiments:experiment-list"), {"name": "first", **_small_config(policy_checkpoint)}
+        )
+    experiment = Experiment.objects.get()
+    assert response.status_code == 302 and len(callbacks) == 1
+    assert experiment.status == "queued" and experiment.config["max_staleness"] == 1
+    experiment.team = team
+    experiment.save()
+
+    detail = reverse("experiments:experiment-detail", args=[experiment.pk])
+    client.force_login(outsider)
+    assert client.get(detail).status_code == 404
+    client.force_login(teammate)
+    assert client.get(detail).status_code == 200
+    assert client.post(reverse("experiments:experiment-pause", args=[experiment.pk])).status_code == 404
+
+    client.force_login(owner)
+    with django_capture_on_commit_callbacks(execute=False):
+        response = client.post(
+            reverse("experiments:experiment-clone", args=[experiment.pk]),
+            {"name": "clone", **_small_config(policy_checkpoint, max_staleness=3)},
+        )
+    clone = Experiment.objects.get(name="clone")
+    assert (
+        clone.parent == experiment
+        and clone.config["max_staleness"] == 3
+        and clone.run_dir != experiment.run_dir
+    )
+
+    client.post(reverse("experiments:experiment-cancel", args=[experiment.pk]))
+    experiment.refresh_from_db()
+    assert experiment.status == "cancelled"
+    assert services.experiment_monitor(experiment_id=experiment.pk).endswith("nothing to do")
+
+
+def test_pause_before_the_driver_starts_then_resume(
+    owner, policy_checkpoint, state_dir, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=False):
+        experiment = services.experiment_create(
+            owner=owner, name="p", config=_small_config(policy_checkpoint)
+        )
+        services.experiment_pause(experiment=experiment)
+    assert services.experiment_monitor(experiment_id=experiment.pk) == "paused"
+    experiment.refresh_from_db()
+    assert experiment.status == "paused" and experiment.launches == 0
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        services.experiment_resume(experiment=experiment)
+    experiment.refresh_from_db()
+    assert experiment.status == "queued" and not experiment.pause_requested and len(callbacks) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_monitor_survives_killed_worker_and_driver_without_double_counting_and_streams_steps(
+    owner, outsider, policy_checkpoint, state_dir, asgi_server, client
+):
+    from training.checkpoint import load_checkpoint
+    from training.rollout.driver import checkpointed_version, read_status
+    from training.train.state import latest_checkpoint, load_train_checkpoint
+
+    experiment = Experiment.objects.create(
+        owner=owner,
+        name="live",
+        config=_small_config(policy_checkpoint, steps=4),
+        run_dir=str(state_dir / "experiments" / "live"),
+    )
+    token = api_token_get_or_create(user=owner)
+    killed = threading.Event()
+
+    def wait_for_checkpoint(version: int) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and checkpointed_version(experiment.run_dir) < version:
+            time.sleep(0.2)
+
+    def kill_a_rollout_worker_then_the_driver() -> None:
+        wait_for_checkpoint(1)
+        os.kill(read_status(experiment.run_dir)["rollout_worker_pids"][0], signal.SIGKILL)
+        wait_for_checkpoint(2)
+        pid = read_status(experiment.run_dir).get("pid")
+        if pid and checkpointed_version(experiment.run_dir) < 4:
+            os.killpg(pid, signal.SIGKILL)
+            killed.set()
+
+    killer = threading.Thread(target=kill_a_rollout_worker_then_the_driver, daemon=True)
+    killer.start()
+
+    def monitor_in_thread() -> str:
+        from django.db import connection
+
+        try:
+            return services.experiment_monitor(experiment_id=experiment.pk)
+        finally:
+            connection.close()  # the thread's own connection, or the test database cannot be dropped
+
+    async def watch():
+        headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
+        async with websockets.connect(
+            f"ws://{asgi_server}/ws/experiments/{experiment.pk}/", additional_headers=headers
+        ) as ws:
+            snapshot = json.loads(await asyncio.wait_for(ws.recv(), timeout=15))
+            note = await asyncio.to_thread(monitor_in_thread)
+            received = []
+            while not any(m.get("kind") == "status" and m.get("status") == "finished" for m in received):
+                received.append(json.loads(await asyncio.wait_for(ws.recv(), timeout=15)))
+            return snapshot, note, received
+
+    snapshot, note, received = asyncio.run(watch())
+    assert snapshot["kind"] == "snapshot" and snapshot["steps"] == []
+    assert note == "finished"
+    streamed = [
+        step["step"] for message in received if message["kind"] == "steps" for step in message["steps"]
+    ]
+    assert sorted(streamed) == [1, 2, 3, 4]
+
+    experiment.refresh_from_db()
+    assert killed.is_set(), "the driver finished before it could be killed"
+    # The monitor saw the driver die and started it again; it resumed from its checkpoint.
+    assert experiment.status == "finished" and experiment.current_step == 4 and experiment.launches == 2
+    steps = list(ExperimentStep.objects.filter(experiment=experiment).values_list("step", flat=True))
+    assert steps == [1, 2, 3, 4]
+    rollouts = list(ExperimentRollout.objects.filter(experiment=experiment))
+    assert len(rollouts) == 8 and len({r.rollout_id for r in rollouts}) == 8
+    groups = {r.group_id for r in rollouts}
+    assert all(sum(r.group_id == group for r in rollouts) == 2 for group in groups)
+    assert all(0 <= r.staleness <= 1 for r in rollouts)
+    model, _, _ = load_checkpoint(policy_checkpoint)
+    final = load_train_checkpoint(path=latest_checkpoint(experiment.run_dir), model=model, restore_rng=False)
+    assert final.data_position["version"] == 4
+    assert sorted(final.data_position["counted_groups"]) == sorted(groups)
+    assert all(r.trace is not None and r.trace.source == "training" for r in rollouts)
+    assert experiment.checkpoints.count() >= 2
+    assert services.experiment_ingest(experiment=experiment) == 0  # idempotent
+
+    client.force_login(owner)
+    group = client.get(reverse("experiments:experiment-group", args=[experiment.pk, rollouts[0].group_id]))
+    assert group.status_code == 200
+    assert reverse("agents:task-detail", args=[rollouts[0].trace_id]) in group.content.decode()
+    page = client.get(reverse("experiments:experiment-detail", args=[experiment.pk])).content.decode()
+    assert "initial-series" in page and "Evaluate" in page
+    client.force_login(outsider)
+    assert (
+        client.get(
+            reverse("experiments:experiment-group", args=[experiment.pk, rollouts[0].group_id])
+        ).status_code
+        == 404
+    )
+
+
+def test_bench_command_stores_result_on_leaderboard(client, owner, outsider, state_dir):
+    call_command(
+        "bench", suite="toy-heldout-2", policy="scripted", attempts=2, temperature=0.5, owner=owner.username
+    )
+    run = BenchmarkRun.objects.get()
+    assert run.status == "finished" and run.summary["pass_at_1"] == 1.0 and run.summary["pass_at_k"] == 1.0
+    assert run.task_results.count() == 2 and all(row.passes == 2 for row in run.task_results.all())
+    client.force_login(owner)
+    page = client.get(reverse("experiments:benchmarks")).content.decode()
+    assert "<td>toy-heldout-2</td>" in page and "Scripted reference fix" in page
+    client.force_login(outsider)
+    assert "<td>toy-heldout-2</td>" not in client.get(reverse("experiments:benchmarks")).content.decode()
+    with pytest.raises(Exception, match="unknown suite"):
+        call_command("bench", suite="nope", policy="scripted", owner=owner.username)
+
+
+def test_pass_at_k_and_wilson_interval():
+    from training.bench.runner import pass_at_k, wilson_interval
+
+    assert pass_at_k(n=4, c=0, k=1) == 0.0 and pass_at_k(n=4, c=4, k=2) == 1.0
+    assert pass_at_k(n=4, c=1, k=1) == pytest.approx(0.25)
+    assert pass_at_k(n=4, c=1, k=2) == pytest.approx(0.5)
+    low, high = wilson_interval(5, 10)
+    assert low < 0.5 < high and high - low < 0.6
+
+
+def test_demo_seed_is_idempotent(owner, state_dir):
+    from webapp.experiments.demo import demo_seed
+
+    first = demo_seed(user=owner)
+    assert "pass@1 1.0" in first
+    assert "already present" in demo_seed(user=owner)
+    assert BenchmarkRun.objects.filter(owner=owner).count() == 1
+
+
+def test_evaluate_checkpoint_from_the_page(
+    client, owner, teammate, team, policy_checkpoint, state_dir, django_capture_on_commit_callbacks
+):
+    from webapp.experiments.models import ExperimentCheckpoint
+
+    experiment = Experiment.objects.create(
+        owner=owner, team=team, name="evaluated", config=_small_config(policy_checkpoint)
+    )
+    checkpoint = ExperimentCheckpoint.objects.create(experiment=experiment, step=1, path=policy_checkpoint)
+    url = reverse("experiments:checkpoint-evaluate", args=[experiment.pk, checkpoint.pk])
+    client.force_login(teammate)
+    assert client.post(url, {"suite": "toy-heldout-2", "attempts": 1}).status_code == 404
+    client.force_login(owner)
+    response = client.post(url, {"suite": "no-such-suite", "attempts": 1})
+    assert response.status_code == 302 and not BenchmarkRun.objects.exists()
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        client.post(url, {"suite": "toy-heldout-2", "attempts": 1})
+    run = BenchmarkRun.objects.get()
+    assert len(callbacks) == 1 and run.checkpoint == checkpoint and run.policy_kind == "checkpoint"
+    run = services.benchmark_run_execute(run_id=run.pk, options={"max_turns": 1, "max_tokens_per_turn": 8})
+    assert run.status == "finished" and run.summary["scored_tasks"] == 2
+    assert run.summary["pass_at_1"] == 0.0  # a random model fixes nothing; the row still lands on the board
+    page = client.get(reverse("experiments:benchmarks")).content.decode()
+    assert "evaluated @ step 1" in page
+
+
+def test_api_launch_list_and_control(
+    api_client_for, owner, outsider, policy_checkpoint, state_dir, django_capture_on_commit_callbacks
+):
+    api = api_client_for(owner)
+    bad = api.post(
+        "/api/experiments/",
+        {"name": "x", "config": {"group_size": 1, "init_checkpoint": policy_checkpoint}},
+        format="json",
+    )
+    assert bad.status_code == 400 and "group_size must be >= 2" in json.dumps(bad.json())
+    forbidden = api.post("/api/experiments/", {"name": "x", "config": {"run_dir": "/etc"}}, format="json")
+    assert forbidden.status_code == 400 and "set by the server" in json.dumps(forbidden.json())
+    with django_capture_on_commit_callbacks(execute=False):
+        created = api.post(
+            "/api/experiments/", {"name": "api", "config": _small_config(policy_checkpoint)}, format="json"
+        )
+    assert created.status_code == 201
+    pk = created.json()["id"]
+    assert [row["id"] for row in api.get("/api/experiments/").json()] == [pk]
+    assert api_client_for(outsider).get(f"/api/experiments/{pk}/").status_code == 404
+    assert api_client_for(outsider).post(f"/api/experiments/{pk}/cancel/").status_code == 404
+    assert api.post(f"/api/experiments/{pk}/explode/").status_code == 400
+    assert api.post(f"/api/experiments/{pk}/cancel/").json()["status"] == "cancelled"
+    assert api.post(f"/api/experiments/{pk}/pause/").status_code == 400
+    assert api.get(f"/api/experiments/{pk}/").json()["steps"] == []
+
+
+def test_benchmark_without_a_tool_never_offers_it(owner, state_dir):
+    from training.bench.runner import ToolSubsetPolicy
+    from training.tasks.toy import generate_toy_task
+    from training.train.scripted_expert import toy_expert_policy
+
+    offered = []
+
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self, policy):
+            self.policy = policy
+
+        def complete(self, *, tools, **kwargs):
+            offered.append({tool["function"]["name"] for tool in tools})
+            return self.policy.complete(tools=tools, **kwargs)
+
+    from sandboxes.tools import openai_tool_schemas
+
+    policy = ToolSubsetPolicy(Recorder(toy_expert_policy(generate_toy_task(1))), ("semantic_search",))
+    policy.complete(
+        messages=[{"role": "user", "content": "x"}],
+        tools=openai_tool_schemas(),
+        max_tokens=16,
+        temperature=0.0,
+        top_p=1.0,
+        timeout_s=5,
+    )
+    assert offered and "semantic_search" not in offered[0] and "read_file" in offered[0]
+
+    call_command(
+        "bench",
+        suite="toy-heldout-1",
+        policy="scripted",
+        owner=owner.username,
+        exclude_tools="semantic_search",
+    )
+    run = BenchmarkRun.objects.get()
+    assert run.policy_label == "scripted (without semantic_search)" and run.summary["pass_at_1"] == 1.0
+    assert run.summary["options"]["exclude_tools"] == ["semantic_search"]
+    with pytest.raises(Exception, match="unknown tools"):
+        call_command(
+            "bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, exclude_tools="nope"
+        )

@@ -1,0 +1,59 @@
+"""Ray single-controller driver config checks.
+
+The driver itself runs end to end (real local Ray, real sandboxes, a rollout worker and then the
+driver killed mid-run, resume without double counting) in test_experiment_pages.py
+(test_monitor_survives_killed_worker_and_driver_without_double_counting_and_streams_steps).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from training.checkpoint import create_random_checkpoint
+from training.rollout.driver import AsyncRLConfig, AsyncRLConfigError
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096)
+
+
+def test_config_errors_explain_the_fix(checkpoint, tmp_path):
+    with pytest.raises(AsyncRLConfigError, match="group_size must be >= 2"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=1)
+    with pytest.raises(AsyncRLConfigError, match="lower inference_actors"):
+        AsyncRLConfig(
+            run_dir=str(tmp_path), init_checkpoint=str(checkpoint), rollout_workers=1, inference_actors=2
+        )
+    with pytest.raises(AsyncRLConfigError, match="not a checkpoint directory"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(tmp_path / "missing"))
+    with pytest.raises(AsyncRLConfigError, match="unknown AsyncRLConfig fields"):
+        AsyncRLConfig.from_dict({"run_dir": "x", "init_checkpoint": str(checkpoint), "stepz": 3})
+
+
+def test_rollouts_run_on_fleet_sandbox_hosts(checkpoint, tmp_path):
+    """One real step whose sandboxes live on the fleet's sandbox-host actors (private local Ray)."""
+    from training.rollout.driver import METRICS_FILE, ROLLOUTS_FILE, read_jsonl, run_async_rl
+
+    config = AsyncRLConfig(
+        run_dir=str(tmp_path / "run"),
+        init_checkpoint=str(checkpoint),
+        steps=1,
+        tasks=2,
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        rollout_workers=2,
+        max_turns=1,
+        max_tokens_per_turn=8,
+        ray_num_cpus=1,
+        sandbox_hosts=True,
+        fleet_heartbeats=False,
+    )
+    history = run_async_rl(config)
+    assert [row["step"] for row in history] == [1]
+    rows = read_jsonl(tmp_path / "run" / ROLLOUTS_FILE)
+    assert len(rows) == 2 and all(
+        row["valid"] and row["status"].startswith(("succeeded", "failed")) for row in rows
+    )
+    assert read_jsonl(tmp_path / "run" / METRICS_FILE)[0]["masked_rollouts"] == 0

@@ -1,0 +1,27 @@
+"""Attack suite: one module per sandbox guarantee, run against every available backend.
+
+Threat model (also in docs/SECURITY.md)
+---------------------------------------
+The adversary is the agent: arbitrary shell commands through ``run_terminal`` and arbitrary
+arguments to every file tool, possibly racing its own background processes against the tools.
+
+Defended, and tested here:
+
+* file tools stay inside the workspace: ``..``, absolute paths, symlinks and hard links leading out
+  fail with a clear error, also while a background process swaps symlinks (test_path_traversal);
+* host secrets stay hidden: ``/etc/shadow``, home directories, ``/root``, the host's environment
+  variables, the host's processes and the platform's own files (test_host_secrets);
+* no network: host services on loopback (PostgreSQL, Redis, any port) and outside addresses are
+  unreachable unless ``SandboxLimits.network`` is set (test_network);
+* resource bombs are contained: fork bombs, memory bombs, disk fills and runaway CPU hit the
+  sandbox's limits and the host keeps its headroom (test_resource_bombs);
+* sandboxes are isolated from each other: no seeing, signalling or reading another sandbox's
+  processes or files (test_cross_sandbox);
+* ``/proc`` and privilege tricks fail: no capabilities, ``no_new_privs``, no mounts, no nested user
+  namespaces, no host ``/proc`` (test_proc_escape).
+
+Not defended: kernel vulnerabilities reachable through allowed system calls (there is no seccomp
+filter in the local backend), side channels (CPU caches, timing), and the memory a sandbox's
+tmpfs quota occupies counting against host RAM. ``network=True`` allows egress (slirp4netns NAT
+in the local backend) to anything the host can reach except its loopback services.
+"""

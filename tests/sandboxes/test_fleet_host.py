@@ -1,0 +1,64 @@
+"""A sandbox host's own logic without Ray: slots, queueing, expiry and the heartbeat it reports."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import RepoSource, SandboxError, SandboxLimits
+from sandboxes.fleet.host import SandboxHost, SandboxHostConfig
+
+
+@pytest.fixture
+def repo(tmp_path):
+    (tmp_path / "a.txt").write_text("a\n")
+    return tmp_path
+
+
+@pytest.fixture
+def sandbox_root(monkeypatch, settings):
+    # Local sandbox init processes run as an unprivileged uid: the state root must be traversable.
+    root = Path(tempfile.mkdtemp(prefix="flowstate-host-", dir="/tmp"))
+    root.chmod(0o711)
+    settings.SANDBOX_ROOT = root
+    import sandboxes
+
+    monkeypatch.setattr(sandboxes, "_backends", {})
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_expired_sandbox_frees_its_slot_for_a_waiting_request(repo, sandbox_root):
+    host = SandboxHost(SandboxHostConfig(host_name="unit-host", slots=1, heartbeat_sink=None, reap_interval_s=0.2))
+    try:
+        snapshot = await host.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+        short = SandboxLimits(command_timeout_s=1, lifetime_s=1.5, memory_mb=256)
+        forgotten = await host.create(snapshot=snapshot, limits=short, purpose="training", tenant="exp")
+        waiting = asyncio.create_task(host.create(snapshot=snapshot, limits=short, purpose="product", tenant="u"))
+        await asyncio.sleep(0.3)
+        beat = host.heartbeat()
+        assert (beat.slots_used, beat.queue.product_waiting) == (1, 1)
+        assert [(s.sandbox_id, s.state, s.purpose) for s in beat.sandboxes] == [(forgotten, "idle", "training")]
+        # Nobody destroys the first sandbox: once its lifetime is over the host reaps it.
+        admitted = await asyncio.wait_for(waiting, timeout=10)
+        assert host.expired_total == 1
+        assert [s.sandbox_id for s in host.heartbeat().sandboxes] == [admitted]
+        with pytest.raises(SandboxError, match="not on host unit-host"):
+            await host.exec(forgotten, "true")
+        assert (await host.exec(admitted, "cat a.txt")).stdout == "a\n"
+    finally:
+        assert await host.shutdown() == 1
+    assert host.heartbeat().slots_used == 0
+
+
+def test_host_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="within 0.05..2 s"):
+        SandboxHostConfig(host_name="h", slots=1, heartbeat_interval_s=5)
+    with pytest.raises(ValueError, match="'local' or 'docker'"):
+        SandboxHostConfig(host_name="h", slots=1, backend="k8s")
+    with pytest.raises(ValueError, match="module.function"):
+        SandboxHostConfig(host_name="h", slots=1, heartbeat_sink="nodots")

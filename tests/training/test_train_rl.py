@@ -1,0 +1,177 @@
+"""RL stage on the tiny model: real sandboxes, real hidden-test rewards, masking, the GRPO update."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sandboxes import get_backend
+from training.agent.config import AgentLimits
+from training.checkpoint import create_random_checkpoint, load_checkpoint
+from training.serving import ChatModel
+from training.tasks.sandboxing import task_sandboxes_create
+from training.tasks.toy import generate_toy_task
+from training.train.grpo import GRPOConfig
+from training.train.loop import OptimizerConfig, TrainConfigError, build_optimizer, read_metrics
+from training.train.rl import (
+    RLConfig,
+    policy_updates,
+    rl,
+    rollout_advantages,
+    segment_logprobs,
+    segments_to_batches,
+)
+from training.train.rollouts import rollout_run, rollouts_collect
+
+LIMITS = AgentLimits(max_turns=1, max_tokens=64, max_tokens_per_turn=16, context_tokens=4096, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # The system prompt with every tool schema is ~2.4k tokens, so the tiny model gets a 4k context.
+    return create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def rollouts(checkpoint):
+    model, tokenizer, _ = load_checkpoint(checkpoint)
+    chat_model = ChatModel(model, tokenizer, name="test-policy")
+    try:
+        records = rollouts_collect(
+            tasks=[generate_toy_task(0), generate_toy_task(1)], group_size=2, backend=get_backend("local"),
+            chat_model=chat_model, limits=LIMITS, seed=11,
+        )
+    finally:
+        chat_model.close()
+    return records
+
+
+def test_rollouts_run_in_sandboxes_and_are_scored_by_hidden_tests(rollouts):
+    assert [(r.task_id, r.group) for r in rollouts] == [("toy-0", 0), ("toy-0", 0), ("toy-1", 1), ("toy-1", 1)]
+    for record in rollouts:
+        assert record.valid, record.status
+        assert record.tests_total > 0  # the hidden suite really ran in the sandbox
+        assert record.reward == 0.0 and not record.passed  # a random model does not fix the bug
+        segment = record.segments[0]
+        assert len(segment.token_ids) == len(segment.logprobs) <= 16
+        assert segment.routed_experts.shape[0] == len(segment.prompt_token_ids) + len(segment.token_ids) - 1
+    # Different seeds within a group sample different completions.
+    assert rollouts[0].segments[0].token_ids != rollouts[1].segments[0].token_ids
+
+
+def test_infrastructure_failure_is_masked_not_scored_zero(checkpoint, rollouts):
+    task = generate_toy_task(0)
+    sandbox = task_sandboxes_create(backend=get_backend("local"), task=task)[0]
+    sandbox.destroy()  # a real infrastructure failure: the sandbox vanished under the rollout
+    model, tokenizer, _ = load_checkpoint(checkpoint)
+    chat_model = ChatModel(model, tokenizer, name="masked")
+    try:
+        failed = rollout_run(task=task, group=0, sandbox=sandbox, chat_model=chat_model, limits=LIMITS, seed=3)
+    finally:
+        chat_model.close()
+    assert not failed.valid and failed.reward is None and failed.status.startswith("infrastructure")
+
+    good, bad = rollouts[0], rollouts[1]
+    good.reward = 1.0  # give the group a signal; the failed rollout joins it
+    try:
+        failed.group, failed.task_id = good.group, good.task_id
+        records = [good, bad, failed]
+        advantages = rollout_advantages(records, GRPOConfig())
+        # Baseline over the two valid rollouts only (0.5); scoring the failure as 0 would give 1/3.
+        assert advantages.tolist() == pytest.approx([0.5, -0.5, 0.0])
+        batches = segments_to_batches(records=records, advantages=advantages, micro_batch_size=8, pad_id=0,
+                                      with_routing=True)
+        assert batches[0].input_ids.shape[0] == len(good.segments) + len(bad.segments)
+    finally:
+        good.reward = 0.0
+
+
+def test_grpo_update_moves_probability_towards_the_better_rollout(checkpoint, rollouts):
+    model, _, _ = load_checkpoint(checkpoint)
+    model.train()
+    good, bad = rollouts[0], rollouts[1]
+    good.reward = 1.0
+    try:
+        advantages = rollout_advantages([good, bad], GRPOConfig())
+        batches = segments_to_batches(records=[good, bad], advantages=advantages, micro_batch_size=1, pad_id=0,
+                                      with_routing=True)
+    finally:
+        good.reward = 0.0
+    config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2,
+                      updates_per_step=2, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, weight_decay=0.0))
+
+    def completion_logprob(batch) -> float:
+        with torch.no_grad():
+            logprobs = segment_logprobs(model, batch, temperature=1.0, routing_replay=True)
+        return float((logprobs * batch.loss_mask).sum())
+
+    before = [completion_logprob(batch) for batch in batches]
+    stats = policy_updates(model=model, optimizer=build_optimizer(model, config.optimizer), batches=batches,
+                           config=config)
+    after = [completion_logprob(batch) for batch in batches]
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+    # Same weights as the rollout policy before the first update: train and rollout logprobs agree.
+    assert stats["logprob_mismatch"] < 1e-3
+    assert stats["trained_tokens"] == sum(len(s.token_ids) for r in (good, bad) for s in r.segments)
+
+
+def test_rl_loop_end_to_end_with_resume(checkpoint, tmp_path):
+    kwargs = {"run_dir": str(tmp_path / "rl"), "init_checkpoint": str(checkpoint), "tasks": 2, "tasks_per_step": 1,
+              "group_size": 2, "max_turns": 1, "max_tokens_per_turn": 12, "seed": 5}
+    first = rl(RLConfig(steps=1, **kwargs))
+    assert [m["step"] for m in first] == [1]
+    assert first[0]["valid_rollouts"] == 2 and first[0]["masked_rollouts"] == 0
+    assert first[0]["mean_reward"] == 0.0
+    resumed = rl(RLConfig(steps=2, **kwargs))
+    assert [m["step"] for m in resumed] == [2]  # resumed after the step-1 checkpoint
+    assert [m["step"] for m in read_metrics(tmp_path / "rl")] == [1, 2]
+    lines = (tmp_path / "rl" / "rollouts.jsonl").read_text().splitlines()
+    step_two = json.loads(lines[1])
+    assert {r["task_id"] for r in step_two["rollouts"]} == {"toy-1"}  # tasks follow the step, not the process
+    loaded, _, meta = load_checkpoint(tmp_path / "rl" / "checkpoints" / "step-00000002")
+    assert meta["step"] == 2 and loaded.config.max_seq_len == 4096
+
+
+def test_rl_config_errors_say_how_to_fix(checkpoint):
+    with pytest.raises(TrainConfigError, match="group_size must be >= 2"):
+        RLConfig(run_dir="x", init_checkpoint=str(checkpoint), group_size=1)
+    with pytest.raises(TrainConfigError, match="top_p must be 1.0"):
+        RLConfig(run_dir="x", init_checkpoint=str(checkpoint), top_p=0.9)
+    with pytest.raises(TrainConfigError, match="exceeds the pool"):
+        RLConfig(run_dir="x", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=2)
+
+
+@pytest.mark.django_db
+def test_rl_command_stores_rollouts_for_the_trace_browser(checkpoint, owner, tmp_path):
+    from django.core.management import call_command
+
+    from webapp.agents.models import AgentTask
+
+    call_command("rl", "--run-dir", str(tmp_path / "rl"), "--init-checkpoint", str(checkpoint), "--tasks", "1",
+                 "--tasks-per-step", "1", "--group-size", "2", "--steps", "1", "--max-turns", "1",
+                 "--max-tokens-per-turn", "8", "--record-owner", owner.username, "--experiment-name", "ci-rl")
+    stored = AgentTask.objects.filter(experiment_name="ci-rl", owner=owner)
+    assert stored.count() == 2
+    assert {(task.training_step, task.reward, task.repo_label) for task in stored} == {(1, 0.0, "toy-0")}
+    assert all(task.messages and task.events.exists() for task in stored)
+
+
+def test_groups_without_signal_take_no_step(checkpoint, rollouts):
+    """All rollouts scored alike: no rows to train, and no Adam step drifting along stale momentum."""
+    model, _, _ = load_checkpoint(checkpoint)
+    advantages = rollout_advantages(rollouts, GRPOConfig())
+    assert advantages.tolist() == [0.0] * len(rollouts)
+    batches = segments_to_batches(records=rollouts, advantages=advantages, micro_batch_size=2, pad_id=0,
+                                  with_routing=True)
+    assert batches == []
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, warmup_steps=0))
+    for parameter in model.parameters():  # momentum left over from an earlier step
+        optimizer.state[parameter] = {"step": torch.tensor(1.0), "exp_avg": torch.ones_like(parameter),
+                                      "exp_avg_sq": torch.ones_like(parameter)}
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2)
+    stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=config)
+    assert stats["trained_tokens"] == 0
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

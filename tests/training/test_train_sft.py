@@ -1,0 +1,118 @@
+"""SFT: assistant-only loss masks, trajectory sources (database, JSONL, scripted expert), learning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import call_command
+
+from sandboxes import get_backend
+from sandboxes.tools import openai_tool_schemas
+from training.chat_format import render_assistant_completion, render_messages
+from training.tasks.toy import generate_toy_task
+from training.train.data import IGNORE_INDEX, MaskedExamples
+from training.train.loop import TrainConfigError, read_metrics
+from training.train.scripted_expert import expert_trajectory_create, toy_expert_policy
+from training.train.sft import SFTConfig, load_jsonl_trajectories, tokenize_trajectory
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from training.tokenizer import default_tokenizer
+
+    return default_tokenizer(2048)
+
+
+@pytest.fixture(scope="module")
+def expert_run():
+    task = generate_toy_task(5)
+    return task, expert_trajectory_create(task=task, backend=get_backend("local"))
+
+
+def test_scripted_expert_solves_toy_task_with_exact_tool_calls(expert_run):
+    task, trajectory = expert_run
+    assert trajectory.reward == 1.0
+    calls = [
+        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        for message in trajectory.messages
+        if message["role"] == "assistant"
+        for call in message.get("tool_calls", [])
+    ]
+    assert calls == [
+        ("read_file", {"path": task.solution.path}),
+        ("edit_file", {"path": task.solution.path, "old_str": task.solution.old_text, "new_str": task.solution.new_text}),
+        ("run_terminal", {"command": task.test_command}),
+    ]
+    tool_outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert "Edited" in tool_outputs[1] and "OK" in tool_outputs[2]  # real tool results, tests passing
+    assert len(toy_expert_policy(task).turns) == 3
+
+
+def test_loss_mask_covers_exactly_the_assistant_completions(expert_run, tokenizer):
+    _, trajectory = expert_run
+    tools = openai_tool_schemas()
+    example = tokenize_trajectory(messages=trajectory.messages, tools=tools, tokenizer=tokenizer)
+    assert tokenizer.decode(example.token_ids) == render_messages(trajectory.messages, tools, add_generation_prompt=False)
+    trained = tokenizer.decode([t for t, keep in zip(example.token_ids, example.trainable, strict=True) if keep])
+    expected = "".join(render_assistant_completion(m) for m in trajectory.messages if m["role"] == "assistant")
+    assert trained == expected
+    # Tool outputs and the system/user prompt are never trained on.
+    context = tokenizer.decode([t for t, keep in zip(example.token_ids, example.trainable, strict=True) if not keep])
+    assert "Ran 18 tests" in context or "OK" in context
+
+    batch = MaskedExamples(examples=[example], pad_id=tokenizer.pad_id, max_seq_len=8192, seed=0).batch(start=0, size=1)
+    target_positions = batch.targets[0] != IGNORE_INDEX
+    assert int(target_positions.sum()) == sum(example.trainable[1:])
+    assert tokenizer.decode(batch.targets[0][target_positions].tolist()) == expected
+
+
+def test_jsonl_source_and_config_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    good.write_text(json.dumps(messages) + "\n\n" + json.dumps({"messages": messages}) + "\n")
+    assert load_jsonl_trajectories(good) == [messages, messages]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "nope"}\n')
+    with pytest.raises(TrainConfigError, match="bad.jsonl:1"):
+        load_jsonl_trajectories(bad)
+    with pytest.raises(TrainConfigError, match="SFT has no data"):
+        SFTConfig(run_dir=str(tmp_path / "run"))
+    with pytest.raises(TrainConfigError, match="does not exist"):
+        SFTConfig(run_dir=str(tmp_path / "run"), jsonl_files=(str(tmp_path / "missing.jsonl"),))
+
+
+@pytest.mark.django_db
+def test_sft_command_learns_recorded_expert_rollouts_from_database(expert_run, owner, tmp_path):
+    """The recorded rollout goes through the agents app's store and selector into `manage.py sft`."""
+    from training.agent.config import AgentLimits
+    from training.agent.loop import run_agent
+    from training.tasks.sandboxing import task_sandboxes_create
+    from webapp.agents.services import rollout_record
+
+    task, _ = expert_run
+    sandbox = task_sandboxes_create(backend=get_backend("local"), task=task)[0]
+    try:
+        result = run_agent(sandbox=sandbox, policy=toy_expert_policy(task), prompt=task.prompt, limits=AgentLimits())
+    finally:
+        sandbox.destroy()
+    rollout_record(owner=owner, result=result, prompt=task.prompt, experiment_name="sft-test",
+                   repo_label=task.task_id, model_name="scripted-expert", reward=1.0)
+    # A failed rollout (reward 0) must not be learned from.
+    rollout_record(owner=owner, result=result, prompt=task.prompt, experiment_name="sft-test",
+                   repo_label=task.task_id, model_name="scripted-expert", reward=0.0)
+
+    run_dir = tmp_path / "sft"
+    call_command(
+        "sft", "--run-dir", str(run_dir), "--database-limit", "10", "--steps", "14", "--batch-size", "1",
+        "--lr", "3e-3", "--warmup-steps", "1", "--checkpoint-every", "0", "--max-seq-len", "4096",
+    )
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 15))
+    assert metrics[0]["tokens"] > 100  # assistant tokens only: a few hundred, not the ~4k of the whole trajectory
+    assert metrics[0]["tokens"] < 1000
+    first, last = metrics[0]["loss"], min(m["loss"] for m in metrics[-3:])
+    assert last < 0.7 * first, (first, last)
+    checkpoint = run_dir / "checkpoints" / "step-00000014"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["run_config"]["trajectories"] == 1

@@ -1,0 +1,147 @@
+"""Checkpoints: model.safetensors + config.json (model config and metadata) + tokenizer.json.
+
+Files are written under temporary names and renamed into place, so a crash mid-save leaves the previous
+checkpoint readable; config.json is renamed last and marks the checkpoint complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from training.model.config import ModelConfig
+from training.model.transformer import MoETransformer
+from training.tokenizer import TOKENIZER_FILE, BPETokenizer, default_tokenizer, load_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete or inconsistent; the message says what is wrong."""
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: MoETransformer,
+    tokenizer: BPETokenizer,
+    extra_meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write weights, tokenizer and config (+ JSON-serialisable extra_meta) into `directory`."""
+    directory = Path(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(
+            f"Tokenizer has {tokenizer.vocab_size} tokens but the model embeds only "
+            f"{model.config.vocab_size}; build the model with vocab_size >= {tokenizer.vocab_size}."
+        )
+    meta = dict(extra_meta or {})
+    try:
+        json.dumps(meta)
+    except TypeError as error:
+        raise CheckpointError(f"extra_meta must be JSON-serialisable: {error}") from error
+    directory.mkdir(parents=True, exist_ok=True)
+    weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
+    save_model(model, str(weights_tmp), metadata={"format_version": str(FORMAT_VERSION)})
+    tokenizer_tmp = directory / (TOKENIZER_FILE + ".tmp")
+    tokenizer_tmp.write_text(tokenizer.to_json())
+    config_tmp = directory / (CONFIG_FILE + ".tmp")
+    config_tmp.write_text(
+        json.dumps(
+            {"format_version": FORMAT_VERSION, "model": model.config.to_dict(), "meta": meta},
+            indent=2,
+            sort_keys=True,
+        )
+    )
+    os.replace(weights_tmp, directory / WEIGHTS_FILE)
+    os.replace(tokenizer_tmp, directory / TOKENIZER_FILE)
+    os.replace(config_tmp, directory / CONFIG_FILE)
+    return directory
+
+
+def read_checkpoint_config(directory: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """The model config and metadata of a checkpoint, without loading weights."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: {CONFIG_FILE} is missing.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from error
+    if data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format_version {data.get('format_version')!r}; this code reads version {FORMAT_VERSION}."
+        )
+    return ModelConfig.from_dict(data["model"]), data.get("meta", {})
+
+
+def load_checkpoint(
+    directory: str | Path, *, device: str | torch.device = "cpu"
+) -> tuple[MoETransformer, BPETokenizer, dict[str, Any]]:
+    """Load (model in eval mode, tokenizer, meta) from a directory written by save_checkpoint."""
+    directory = Path(directory)
+    config, meta = read_checkpoint_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} has {CONFIG_FILE} but no {WEIGHTS_FILE}.")
+    tokenizer = load_tokenizer(directory)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{directory}: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size={config.vocab_size}; the tokenizer does not belong to these weights."
+        )
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    model = model.materialize(device)
+    try:
+        load_model(model, str(weights), strict=True, device=str(device))
+    except (RuntimeError, OSError) as error:
+        raise CheckpointError(f"{weights} does not match config.json: {error}") from error
+    return model.eval(), tokenizer, meta
+
+
+def create_random_checkpoint(
+    directory: str | Path, size: str = "tiny", seed: int = 0, **config_overrides: Any
+) -> Path:
+    """A randomly initialised checkpoint with a tokenizer trained on the capped stdlib corpus (seconds)."""
+    config = ModelConfig.named(size, **config_overrides)
+    tokenizer = default_tokenizer(config.vocab_size)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = MoETransformer(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return save_checkpoint(directory, model, tokenizer, {"source": "random", "size": size, "seed": seed})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m training.checkpoint OUT_DIR --size tiny`: write a random-weight checkpoint to serve."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m training.checkpoint",
+        description="Create a randomly initialised checkpoint (tokenizer trained on the stdlib corpus), e.g. "
+        "for FLOWSTATE_MODEL_CHECKPOINT before any training has run.",
+    )
+    parser.add_argument("out_dir", help="directory to write (created if missing)")
+    parser.add_argument("--size", default="tiny", help="ModelConfig.named preset (tiny, small, base, ...)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    directory = create_random_checkpoint(args.out_dir, size=args.size, seed=args.seed)
+    config, _ = read_checkpoint_config(directory)
+    counts = config.parameter_counts()
+    print(
+        f"wrote {directory}: {args.size}, {counts['total'] / 1e6:.2f}M parameters "
+        f"({counts['active'] / 1e6:.2f}M active), vocab {config.vocab_size}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

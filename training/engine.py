@@ -1,0 +1,359 @@
+"""Generation engine: slot KV cache, continuous batching, seeded sampling, logprobs and routed experts.
+
+Each step first admits waiting requests into free cache slots (prefill, which also samples their first
+token), then decodes one token for every running sequence in a single batched forward pass. Finished
+sequences free their slot at once, so new requests join without waiting for the batch to drain.
+
+Sampling draws one uniform number per token from the request's own seeded generator and inverts the
+(top-p truncated) CDF, so a request's tokens depend only on its seed and its logits, not on which other
+requests share the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from training.model.kv_cache import KVCache
+from training.model.transformer import MoETransformer
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled."""
+
+    max_tokens: int = 256
+    """Most tokens to generate (the stop token counts)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p."""
+
+    seed: int | None = None
+    """Seed of this request's generator; the same seed and prompt give the same tokens. None: random."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends right after any of these tokens (which is kept in the output)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class EngineConfig:
+    """Capacity of the engine."""
+
+    max_batch_size: int = 8
+    """Cache slots, i.e. sequences decoded together; more requests wait in a queue."""
+
+    max_seq_len: int | None = None
+    """Longest prompt + completion; None uses the model's max_seq_len (this sizes the KV cache)."""
+
+    record_routing: bool = True
+    """Keep the experts every token was routed to (for routing replay in RL)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}.")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}.")
+
+
+@dataclass
+class GenerationResult:
+    """A finished request."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Generated tokens, including the stop token when finish_reason is "stop"."""
+
+    logprobs: list[float]
+    """log p(token) under the temperature-scaled distribution before top-p truncation (raw for greedy)."""
+
+    finish_reason: FinishReason
+    routed_experts: torch.Tensor | None
+    """int16 [len(prompt) + len(tokens) - 1, n_layers, top_k]: experts used by every token that was fed to
+    the model, i.e. exactly the routing of a training forward over (prompt + tokens)[:-1]."""
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token; `result` is set on the request's last token."""
+
+    request_id: int
+    token_id: int
+    logprob: float
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+
+
+class GenerationEngine:
+    """Continuous-batching sampler over a MoETransformer. Not thread-safe: serving drives it from one thread."""
+
+    def __init__(self, model: MoETransformer, *, config: EngineConfig | None = None) -> None:
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.max_seq_len = self.config.max_seq_len or model.config.max_seq_len
+        device = next(model.parameters()).device
+        self.device = device
+        cache_dtype = torch.float32 if model.config.precision == "fp32" else torch.bfloat16
+        self.cache = KVCache(
+            model.config,
+            max_batch_size=self.config.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            dtype=cache_dtype,
+            device=device,
+        )
+        self.record_routing = self.config.record_routing and model.config.is_moe
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}
+        self._free_slots = list(range(self.config.max_batch_size))
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt; returns its request id."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("The prompt is empty; give at least one token.")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(
+                f"Prompt of {len(prompt)} tokens leaves no room to generate within max_seq_len="
+                f"{self.max_seq_len}; shorten the prompt or raise EngineConfig.max_seq_len."
+            )
+        generator = torch.Generator(device="cpu")
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        request_id = next(self._ids)
+        self._waiting.append(_Sequence(request_id, prompt, params, generator))
+        return request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a waiting or running request; returns False if it is unknown or already finished."""
+        for sequence in self._waiting:
+            if sequence.request_id == request_id:
+                self._waiting.remove(sequence)
+                return True
+        for slot, sequence in list(self._running.items()):
+            if sequence.request_id == request_id:
+                self._release(slot)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (continuous batching over max_batch_size slots); results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(prompts)} prompts but {len(params)} SamplingParams.")
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        results: dict[int, GenerationResult] = {}
+        while len(results) < len(ids):
+            for event in self.step():
+                if event.result is not None:
+                    results[event.request_id] = event.result
+        return [results[request_id] for request_id in ids]
+
+    # --------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting requests, then decode one token for every running sequence."""
+        events: list[TokenEvent] = []
+        admitted = []
+        while self._waiting and self._free_slots:
+            sequence = self._waiting.popleft()
+            sequence.slot = self._free_slots.pop(0)
+            self._running[sequence.slot] = sequence
+            admitted.append(sequence)
+        if admitted:
+            events.extend(self._prefill(admitted))
+        if self._running:
+            events.extend(self._decode())
+        return events
+
+    def _prefill(self, sequences: list[_Sequence]) -> list[TokenEvent]:
+        """One forward over the right-padded prompts of all newly admitted sequences."""
+        lengths = torch.tensor([len(s.prompt) for s in sequences], device=self.device)
+        input_ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long, device=self.device)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, : len(sequence.prompt)] = torch.tensor(sequence.prompt)
+        slots = torch.tensor([s.slot for s in sequences], device=self.device)
+        out = self.model(
+            input_ids,
+            kv_cache=self.cache,
+            cache_slots=slots,
+            return_routing=self.record_routing,
+            compute_router_losses=False,
+            logits_positions=lengths - 1,
+        )
+        # Padding wrote keys past each prompt; they sit beyond the slot's length, so attention masks
+        # them until decoding overwrites them.
+        self.cache.lengths[slots] = lengths
+        if self.record_routing:
+            routed = out.routed_experts.to("cpu", torch.int16)
+            for row, sequence in enumerate(sequences):
+                sequence.routing.append(routed[row, : len(sequence.prompt)])
+        return self._sample_and_advance(sequences, out.logits[:, 0])
+
+    def _decode(self) -> list[TokenEvent]:
+        sequences = sorted(self._running.values(), key=lambda s: s.slot)
+        input_ids = torch.tensor([[s.tokens[-1]] for s in sequences], device=self.device)
+        slots = torch.tensor([s.slot for s in sequences], device=self.device)
+        out = self.model(
+            input_ids,
+            kv_cache=self.cache,
+            cache_slots=slots,
+            return_routing=self.record_routing,
+            compute_router_losses=False,
+        )
+        if self.record_routing:
+            routed = out.routed_experts.to("cpu", torch.int16)
+            for row, sequence in enumerate(sequences):
+                sequence.routing.append(routed[row])
+        return self._sample_and_advance(sequences, out.logits[:, -1])
+
+    def _sample_and_advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        tokens, logprobs = sample_tokens(
+            logits,
+            temperatures=[s.params.temperature for s in sequences],
+            top_ps=[s.params.top_p for s in sequences],
+            generators=[s.generator for s in sequences],
+        )
+        events = []
+        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
+            sequence.tokens.append(token)
+            sequence.logprobs.append(logprob)
+            finish: FinishReason | None = None
+            if token in sequence.params.stop_token_ids:
+                finish = "stop"
+            elif (
+                len(sequence.tokens) >= sequence.params.max_tokens
+                or len(sequence.prompt) + len(sequence.tokens) >= self.max_seq_len
+            ):
+                finish = "length"
+            result = self._finish(sequence, finish) if finish else None
+            events.append(TokenEvent(sequence.request_id, token, logprob, result))
+        return events
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason) -> GenerationResult:
+        self._release(sequence.slot)
+        routing = torch.cat(sequence.routing) if sequence.routing else None
+        return GenerationResult(
+            request_id=sequence.request_id,
+            prompt_token_ids=sequence.prompt,
+            token_ids=sequence.tokens,
+            logprobs=sequence.logprobs,
+            finish_reason=reason,
+            routed_experts=routing,
+        )
+
+    def _release(self, slot: int) -> None:
+        del self._running[slot]
+        self.cache.release(slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort()
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of logits [B, V]; returns (tokens [B], logprobs [B]) on the CPU.
+
+    Row b draws a single uniform number from generators[b] and inverts the CDF of its distribution,
+    so its token depends only on its own logits and generator, never on the other rows.
+    """
+    logits = logits.float().cpu()
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logprobs_all = scaled.log_softmax(dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = (~greedy).nonzero().flatten().tolist()
+    if sampled_rows:
+        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
+        probs = logprobs_all[sampled_rows].exp()
+        top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
+        tokens[sampled_rows] = _inverse_cdf_sample(probs, top_p, uniforms)
+    logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens [R] for probability rows [R, V]; rows with top_p < 1 sample from their nucleus only."""
+    tokens = torch.empty(probs.shape[0], dtype=torch.long)
+    full = top_p >= 1
+    if bool(full.any()):
+        # No truncation: the CDF in vocabulary order needs no sort.
+        cumulative = probs[full].cumsum(dim=-1)
+        targets = uniforms[full, None] * cumulative[:, -1:]
+        positions = torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1)
+        tokens[full] = positions.squeeze(1)
+    nucleus = ~full
+    if bool(nucleus.any()):
+        rows, p = probs[nucleus], top_p[nucleus, None]
+        vocab = rows.shape[-1]
+        # Sorting the whole vocabulary is slow on CPU; the nucleus usually sits in the top few dozen
+        # tokens, so widen a top-k window until it holds top_p of the mass in every row.
+        width = min(64, vocab)
+        while True:
+            values, order = rows.topk(width, dim=-1)
+            if width == vocab or bool((values.sum(dim=-1, keepdim=True) >= p).all()):
+                break
+            width = min(vocab, width * 4)
+        # keep a token when the mass before it is below top_p (the most likely token is always kept)
+        values = torch.where(values.cumsum(dim=-1) - values < p, values, torch.zeros_like(values))
+        cumulative = values.cumsum(dim=-1)
+        targets = uniforms[nucleus, None] * cumulative[:, -1:]
+        positions = torch.searchsorted(cumulative, targets, right=True)
+        # never land on a zero-probability tail entry because of rounding
+        positions = torch.minimum(positions, (values > 0).sum(dim=-1, keepdim=True) - 1)
+        tokens[nucleus] = order.gather(1, positions).squeeze(1)
+    return tokens

@@ -1,0 +1,299 @@
+"""Decoder-only MoE transformer: RoPE attention (GQA), RMSNorm, routed SwiGLU experts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.model.config import ModelConfig
+from training.model.kv_cache import CacheBatch, KVCache
+from training.model.moe import DenseFeedForward, MoEFeedForward, output_init_std
+
+
+@dataclass
+class TransformerOutput:
+    """Result of MoETransformer.forward."""
+
+    logits: torch.Tensor
+    """float32 [B, T, vocab_size] next-token logits."""
+
+    load_balancing_loss: torch.Tensor
+    """Scalar, mean over MoE layers (zero for dense models); the trainer chooses its weight."""
+
+    router_z_loss: torch.Tensor
+    """Scalar, mean over MoE layers (zero for dense models); the trainer chooses its weight."""
+
+    routed_experts: torch.Tensor | None
+    """int64 [B, T, n_layers, top_k] experts each input token used, when return_routing=True on an MoE."""
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables (rotate-half convention) indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fill the tables in place (also after materialising a model built on the meta device)."""
+        head_dim, device = self.config.head_dim, self.cos.device
+        if device.type == "meta":
+            return
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+        inv_freq = 1.0 / (self.config.rope_theta**exponents)
+        angles = torch.outer(
+            torch.arange(self.config.max_seq_len, dtype=torch.float64, device=device), inv_freq
+        )
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] broadcastable over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: KVCache | None,
+        cache_batch: CacheBatch | None,
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        if kv_cache is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            keys, values = kv_cache.append(self.layer_index, cache_batch, k, v)
+            attended = F.scaled_dot_product_attention(
+                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache_batch.attention_mask, enable_gqa=gqa
+            )
+        return self.wo(attended.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attention = Attention(config, layer_index)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.feed_forward: MoEFeedForward | DenseFeedForward = (
+            MoEFeedForward(config) if config.is_moe else DenseFeedForward(config)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: KVCache | None,
+        cache_batch: CacheBatch | None,
+        routing_override: torch.Tensor | None,
+        compute_router_losses: bool,
+    ):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache=kv_cache, cache_batch=cache_batch)
+        normed = self.ffn_norm(x)
+        if isinstance(self.feed_forward, DenseFeedForward):
+            return x + self.feed_forward(normed), None
+        batch, length, d_model = normed.shape
+        override = None if routing_override is None else routing_override.reshape(batch * length, -1)
+        out, router = self.feed_forward(
+            normed.reshape(batch * length, d_model),
+            routing_override=override,
+            compute_losses=compute_router_losses,
+        )
+        return x + out.view(batch, length, d_model), router
+
+
+class MoETransformer(nn.Module):
+    """The policy model. Same class for every size; the dense baseline is feed_forward="dense"."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config, index) for index in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std, out_std = self.config.init_std, output_init_std(self.config)
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        for block in self.layers:
+            for projection in (block.attention.wq, block.attention.wk, block.attention.wv):
+                nn.init.normal_(projection.weight, std=std)
+            nn.init.normal_(block.attention.wo.weight, std=out_std)
+            block.feed_forward.reset_parameters(std=std, output_std=out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        routing_override: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        return_routing: bool = False,
+        kv_cache: KVCache | None = None,
+        cache_slots: torch.Tensor | None = None,
+        compute_router_losses: bool = True,
+        logits_positions: torch.Tensor | None = None,
+    ) -> TransformerOutput:
+        """Run the model on input_ids [B, T].
+
+        routing_override: expert ids recorded at rollout time, [B, T, n_layers, top_k] or a sequence of
+            n_layers tensors [B, T, top_k]; replaces the router's choice (the gate weights still come
+            from the current router, so gradients flow to it).
+        kv_cache / cache_slots: append the tokens to these cache slots ([B] int) and attend over each
+            slot's cached prefix; without a cache the pass is a plain causal forward from position 0.
+        compute_router_losses: False skips the load-balancing and z losses (returned as zeros) when
+            only logits are needed, e.g. during generation.
+        logits_positions: int [B]; when given, logits are computed only at these positions (one per row,
+            shape [B, 1, vocab]); generation needs just the last prompt position, which saves the output
+            projection over the whole prompt.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}.")
+        batch, length = input_ids.shape
+        config = self.config
+        cache_batch = None
+        if kv_cache is not None:
+            if cache_slots is None or cache_slots.shape != (batch,):
+                raise ValueError("kv_cache needs cache_slots, an int tensor [batch] of slot indices.")
+            cache_batch = kv_cache.begin(cache_slots.to(kv_cache.lengths.device), length)
+            positions = cache_batch.positions.to(input_ids.device)
+        else:
+            if length > config.max_seq_len:
+                raise ValueError(
+                    f"Sequence length {length} exceeds max_seq_len={config.max_seq_len}; truncate the "
+                    "input or build the model with a larger max_seq_len."
+                )
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        overrides = self._layer_overrides(routing_override, batch, length)
+        cos, sin = self.rotary(positions)
+
+        autocast = (
+            torch.autocast(input_ids.device.type, dtype=torch.bfloat16)
+            if config.precision != "fp32"
+            else contextlib.nullcontext()
+        )
+        routers = []
+        with autocast:
+            hidden = self.embed(input_ids)
+            for index, block in enumerate(self.layers):
+                hidden, router = block(
+                    hidden,
+                    cos,
+                    sin,
+                    kv_cache=kv_cache,
+                    cache_batch=cache_batch,
+                    routing_override=None if overrides is None else overrides[index],
+                    compute_router_losses=compute_router_losses,
+                )
+                if router is not None:
+                    routers.append(router)
+            if logits_positions is not None:
+                rows = torch.arange(batch, device=hidden.device)
+                hidden = hidden[rows, logits_positions.to(hidden.device)].unsqueeze(1)
+            hidden = self.norm(hidden)
+        logits = self.output(hidden.to(self.output.weight.dtype)).float()
+        if kv_cache is not None:
+            kv_cache.advance(cache_batch)
+
+        zero = logits.new_zeros(())
+        routed = None
+        if return_routing and routers:
+            routed = torch.stack([r.expert_indices.view(batch, length, -1) for r in routers], dim=2)
+        return TransformerOutput(
+            logits=logits,
+            load_balancing_loss=torch.stack([r.load_balancing_loss for r in routers]).mean()
+            if routers
+            else zero,
+            router_z_loss=torch.stack([r.router_z_loss for r in routers]).mean() if routers else zero,
+            routed_experts=routed,
+        )
+
+    def _layer_overrides(
+        self, routing_override: torch.Tensor | Sequence[torch.Tensor] | None, batch: int, length: int
+    ) -> list[torch.Tensor] | None:
+        if routing_override is None:
+            return None
+        config = self.config
+        if not config.is_moe:
+            raise ValueError("routing_override was given to a dense model, which has no router.")
+        if isinstance(routing_override, torch.Tensor):
+            expected = (batch, length, config.n_layers, config.top_k)
+            if tuple(routing_override.shape) != expected:
+                raise ValueError(
+                    f"routing_override has shape {tuple(routing_override.shape)}, expected {expected} "
+                    "= (batch, seq_len, n_layers, top_k)."
+                )
+            return [routing_override[:, :, index] for index in range(config.n_layers)]
+        layers = list(routing_override)
+        if len(layers) != config.n_layers:
+            raise ValueError(f"routing_override has {len(layers)} layers, the model has {config.n_layers}.")
+        for index, layer in enumerate(layers):
+            if tuple(layer.shape) != (batch, length, config.top_k):
+                raise ValueError(
+                    f"routing_override[{index}] has shape {tuple(layer.shape)}, expected "
+                    f"{(batch, length, config.top_k)} = (batch, seq_len, top_k)."
+                )
+        return layers
+
+    def parameter_counts(self) -> dict[str, int]:
+        return self.config.parameter_counts()
+
+    def materialize(self, device: str | torch.device) -> MoETransformer:
+        """Allocate a model built under torch.device("meta") on `device` (weights uninitialised)."""
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.output.weight = self.embed.weight
+        self.rotary.reset_buffers()
+        for block in self.layers:
+            if isinstance(block.feed_forward, MoEFeedForward):
+                block.feed_forward.reset_buffers()
+        return self

@@ -1,0 +1,815 @@
+"""Asynchronous GRPO with a Ray single controller: this process owns the control flow.
+
+    .venv/bin/python -m training.rollout.driver --config run.json      (a JSON AsyncRLConfig)
+
+Actors:
+- `InferenceActor`: the generation engine (training.serving.ChatModel) with versioned weights;
+  after every policy update the driver pushes the new weights (one `ray.put`, then `set_weights`
+  on every actor) before the new version is used for dispatch.
+- `RolloutWorker`: an environment server. It creates the task's sandbox, runs the product's agent
+  loop (training.agent.loop.run_agent) with a policy that calls an inference actor, scores the
+  result with the hidden tests, and returns the tokens/logprobs the learner needs.
+
+The driver feeds the continuous `RolloutScheduler` (bounded staleness, a slow rollout never holds
+the others back), trains in a learner thread with the trainer's GRPO update
+(training.train.rl.policy_updates) while generation continues, and checkpoints after every update.
+The checkpoint records which groups were trained on; a restarted driver (killed driver, lost
+worker, redelivered Celery task) resumes from it, re-runs only groups that were never trained on,
+and truncates the logs to the checkpoint, so no rollout is counted twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.rollout.scheduler import RolloutRequest, RolloutSample, RolloutScheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+ROLLOUTS_FILE = "rollouts.jsonl"
+STATUS_FILE = "driver_status.json"
+TRACES_DIR = "traces"
+
+
+def trace_path(run_dir: str | Path, rollout_id: str) -> Path:
+    """Where the full agent trace (events, messages, diff) of a trained rollout is stored."""
+    return Path(run_dir) / TRACES_DIR / (rollout_id.replace("/", "__").replace("~", "_") + ".json")
+
+
+def checkpointed_version(run_dir: str | Path) -> int:
+    """Policy version of the newest complete checkpoint of the run (0 when there is none)."""
+    from training.train.state import latest_checkpoint
+
+    path = latest_checkpoint(run_dir)
+    return int(path.name.rsplit("-", 1)[-1]) if path is not None else 0
+
+
+class AsyncRLConfigError(ValueError):
+    """Contradictory settings of an asynchronous RL run; the message says how to fix them."""
+
+
+@dataclass
+class AsyncRLConfig:
+    """One asynchronous GRPO run on toy bug-fixing tasks."""
+
+    run_dir: str
+    """Checkpoints, metrics.jsonl and rollouts.jsonl go here; starting again on it resumes the run."""
+    init_checkpoint: str
+    """Policy checkpoint to start from (normally the SFT result)."""
+    steps: int = 10
+    """Policy updates to run in total (a resumed run continues up to this number)."""
+    tasks: int = 16
+    """Size of the pool of train-split toy tasks, cycled through in order."""
+    task_seed_start: int = 0
+    """First train-split toy task index of the pool."""
+    group_size: int = 4
+    """Rollouts per task; GRPO advantages are relative to the group."""
+    groups_per_step: int = 2
+    """Complete groups consumed by one policy update."""
+    max_staleness: int = 1
+    """Largest policy-version lag between generating a sample and training on it (0 = synchronous)."""
+    rollout_workers: int = 4
+    """Environment servers (Ray actors), each running one rollout at a time."""
+    inference_actors: int = 1
+    """Generation-engine actors; rollout workers are spread over them round-robin."""
+    max_turns: int = 4
+    """Tool-calling turns per rollout."""
+    max_tokens_per_turn: int = 64
+    """Completion tokens per model call."""
+    context_tokens: int = 4096
+    """Context the agent loop may fill; must fit the model's max_seq_len."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts and of the training logprobs."""
+    rollout_wall_time_s: float = 300.0
+    """Wall-clock limit of one rollout's agent loop."""
+    lr: float = 1e-5
+    """Constant learning rate of the policy update."""
+    updates_per_step: int = 1
+    """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
+    partial_credit: bool = False
+    """Reward the fraction of passing hidden tests instead of 0/1."""
+    sandbox_backend: str | None = None
+    """Sandbox backend the rollout workers use (None: the configured default)."""
+    ray_address: str | None = None
+    """Ray cluster to join; None starts a private local instance."""
+    ray_num_cpus: int = 2
+    """CPUs of the private local Ray instance (ignored when joining a cluster)."""
+    sandbox_hosts: bool = False
+    """Run rollout sandboxes on the fleet's sandbox-host actors (sandboxes.fleet) instead of in each
+    rollout worker; a private local Ray offers rollout_workers sandbox slots for them."""
+    fleet_heartbeats: bool = True
+    """With sandbox_hosts, hosts report heartbeats to the fleet dashboard (webapp.fleet)."""
+    seed: int = 0
+    """Seeds rollout sampling and the torch RNG."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "tasks",
+            "groups_per_step",
+            "rollout_workers",
+            "inference_actors",
+            "max_turns",
+            "max_tokens_per_turn",
+            "updates_per_step",
+            "keep_checkpoints",
+            "ray_num_cpus",
+        ):
+            if getattr(self, name) < 1:
+                raise AsyncRLConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise AsyncRLConfigError("group_size must be >= 2: the GRPO baseline is the mean of the group")
+        if self.max_staleness < 0:
+            raise AsyncRLConfigError("max_staleness must be >= 0 (0 runs synchronous batches)")
+        if self.temperature <= 0:
+            raise AsyncRLConfigError("temperature must be > 0: greedy rollouts of one task are identical")
+        if self.lr <= 0:
+            raise AsyncRLConfigError("lr must be > 0")
+        if self.inference_actors > self.rollout_workers:
+            raise AsyncRLConfigError(
+                f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
+                "extra inference actors would never get a request, lower inference_actors"
+            )
+        if not Path(self.init_checkpoint).is_dir():
+            raise AsyncRLConfigError(
+                f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
+                "directory written by training.checkpoint.save_checkpoint (e.g. the SFT result)"
+            )
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_in_flight=self.rollout_workers,
+            group_size=self.group_size,
+            groups_per_step=self.groups_per_step,
+            max_staleness=self.max_staleness,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AsyncRLConfig:
+        known = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AsyncRLConfigError(f"unknown AsyncRLConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+def task_for_group(config: AsyncRLConfig, group_index: int):
+    from training.tasks.toy import generate_toy_task, toy_task_seeds
+
+    pool = toy_task_seeds(split="train", count=config.tasks, start=config.task_seed_start)
+    return generate_toy_task(pool[group_index % len(pool)])
+
+
+# --------------------------------------------------------------------------------------- actors
+class InferenceServer:
+    """Body of the inference actor: a ChatModel whose weights carry a version number."""
+
+    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int) -> None:
+        import torch
+
+        from training.engine import EngineConfig
+        from training.serving import ChatModel
+        from training.train.state import latest_checkpoint, load_train_checkpoint
+
+        torch.set_num_threads(1)
+        chat_model = ChatModel.load(checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size))
+        self.chat_model = chat_model
+        self.version = 0
+        self._weights_lock = threading.Lock()
+        # A restarted actor (its process died) comes back with the newest checkpointed weights,
+        # which are never older than what the driver last pushed.
+        latest = latest_checkpoint(run_dir)
+        if latest is not None:
+            restored = load_train_checkpoint(path=latest, model=chat_model.model, restore_rng=False)
+            self.version = int(restored.data_position["version"])
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def set_weights(self, version: int, state_dict: dict) -> int:
+        import torch
+
+        # Decoding may run between two calls of a rollout; the clipped importance ratio against the
+        # recorded logprobs accounts for samples that straddle a weight update.
+        with self._weights_lock, torch.no_grad():
+            self.chat_model.model.load_state_dict(state_dict)
+            self.version = version
+        return version
+
+    def complete(self, **kwargs) -> dict:
+        version = self.version
+        completion = self.chat_model.complete(**kwargs)
+        return {
+            "content": completion.content,
+            "tool_calls": completion.tool_calls,
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion.completion_tokens,
+            "finish_reason": completion.finish_reason,
+            "prompt_token_ids": list(completion.prompt_token_ids),
+            "token_ids": list(completion.token_ids),
+            "logprobs": list(completion.logprobs),
+            "routed_experts": completion.routed_experts,
+            "version": version,
+        }
+
+
+class RemoteInferencePolicy:
+    """The agent-loop Policy over an inference actor, recording what the learner needs."""
+
+    def __init__(self, inference, *, seed: int) -> None:
+        self.inference = inference
+        self.name = "ray-inference"
+        self.seed = seed
+        self.segments: list = []
+        self.versions: list[int] = []
+
+    def complete(self, *, messages, tools, max_tokens, temperature, top_p, timeout_s):
+        import ray
+
+        from training.agent.policy import PolicyError, PolicyToolCall, PolicyTurn
+        from training.train.rollouts import Segment
+
+        started = time.monotonic()
+        try:
+            result = ray.get(
+                self.inference.complete.remote(
+                    messages=messages,
+                    tools=tools or None,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=self.seed + len(self.segments),
+                    timeout_s=timeout_s,
+                ),
+                timeout=timeout_s + 30,
+            )
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, ValueError):  # the conversation outgrew the context: the agent's doing
+                raise PolicyError(str(error.cause), infrastructure=False) from error
+            raise PolicyError(f"inference actor failed: {error}", infrastructure=True) from error
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            raise PolicyError(f"inference actor unreachable: {error}", infrastructure=True) from error
+        self.segments.append(
+            Segment(
+                prompt_token_ids=result["prompt_token_ids"],
+                token_ids=result["token_ids"],
+                logprobs=result["logprobs"],
+                routed_experts=result["routed_experts"],
+            )
+        )
+        self.versions.append(result["version"])
+        calls = [
+            PolicyToolCall(
+                id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"]
+            )
+            for call in result["tool_calls"]
+        ]
+        return PolicyTurn(
+            content=result["content"],
+            tool_calls=calls,
+            prompt_tokens=result["prompt_tokens"],
+            completion_tokens=result["completion_tokens"],
+            finish_reason=result["finish_reason"],
+            token_ids=result["token_ids"],
+            logprobs=result["logprobs"],
+            duration_s=time.monotonic() - started,
+        )
+
+
+def _tool_statistics(events: list[dict]) -> dict:
+    """Tool calls, tool-calling turns, turns with parallel calls, and the tool names used."""
+    per_turn: dict[int, int] = {}
+    names: dict[str, int] = {}
+    for event in events:
+        if event.get("kind") == "tool_call":
+            per_turn[event["turn"]] = per_turn.get(event["turn"], 0) + 1
+            name = event["payload"].get("name", "?")
+            names[name] = names.get(name, 0) + 1
+    return {
+        "tool_calls": sum(per_turn.values()),
+        "tool_turns": len(per_turn),
+        "parallel_turns": sum(1 for count in per_turn.values() if count > 1),
+        "tools_used": names,
+    }
+
+
+class RolloutServer:
+    """Body of the rollout worker actor: one sandboxed agent run per call, scored by hidden tests."""
+
+    def __init__(self, config_data: dict) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.config = AsyncRLConfig.from_dict(config_data)
+        self._fleet_snapshots: dict = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _sandbox(self, task, fleet):
+        from sandboxes import get_backend
+        from training.tasks.sandboxing import DEFAULT_TASK_LIMITS, task_sandboxes_create
+
+        if fleet is None:
+            (sandbox,) = task_sandboxes_create(backend=get_backend(self.config.sandbox_backend), task=task)
+            return sandbox
+        from sandboxes.base import RepoSource
+
+        snapshot = self._fleet_snapshots.get(task.task_id)
+        if snapshot is None:
+            with tempfile.TemporaryDirectory(prefix=f"flowstate-task-{task.task_id}-") as directory:
+                task.materialize(Path(directory))
+                snapshot = fleet.snapshot_create(source=RepoSource(kind="path", location=directory))
+            self._fleet_snapshots[task.task_id] = snapshot
+        return fleet.sandbox_create(snapshot=snapshot, limits=DEFAULT_TASK_LIMITS)
+
+    def run(
+        self, *, group_index: int, sample_index: int, rollout_id: str, inference, seed: int, fleet=None
+    ) -> dict:
+        from sandboxes.base import SandboxError
+        from training.agent.config import AgentLimits
+        from training.agent.loop import run_agent
+        from training.tasks.reward import RewardConfig, RewardInfrastructureError, score_rollout
+        from training.train.rollouts import RolloutRecord
+
+        config = self.config
+        task = task_for_group(config, group_index)
+        started = time.monotonic()
+        limits = AgentLimits(
+            max_turns=config.max_turns,
+            max_tokens=config.max_turns * config.max_tokens_per_turn * 2,
+            max_tokens_per_turn=config.max_tokens_per_turn,
+            wall_time_s=config.rollout_wall_time_s,
+            context_tokens=config.context_tokens,
+            temperature=config.temperature,
+            top_p=1.0,
+        )
+        policy = RemoteInferencePolicy(inference, seed=seed)
+        stats: dict = {"tool_calls": 0, "tool_turns": 0, "parallel_turns": 0, "tools_used": {}}
+        timings = {"sandbox_s": 0.0, "agent_s": 0.0, "reward_s": 0.0}
+        events: list[dict] = []
+
+        trace: dict = {}
+
+        def finish(record) -> dict:
+            return {
+                "record": record,
+                "stats": stats,
+                "timings": timings,
+                "versions": policy.versions,
+                "trace": {"prompt": task.prompt, "events": events, **trace},
+                "task_id": task.task_id,
+                "rollout_id": rollout_id,
+            }
+
+        def invalid(reason: str, turns: int = 0) -> dict:
+            return finish(
+                RolloutRecord(
+                    task_id=task.task_id,
+                    group=group_index,
+                    valid=False,
+                    reward=None,
+                    segments=policy.segments,
+                    status=f"infrastructure: {reason}",
+                    turns=turns,
+                    duration_s=time.monotonic() - started,
+                )
+            )
+
+        try:
+            sandbox = self._sandbox(task, fleet)
+        except (SandboxError, OSError) as error:
+            return invalid(f"sandbox creation failed: {error}")
+        timings["sandbox_s"] = time.monotonic() - started
+        try:
+            agent_started = time.monotonic()
+            try:
+                result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits)
+            except (SandboxError, OSError, RuntimeError) as error:
+                return invalid(f"{type(error).__name__}: {error}")
+            timings["agent_s"] = time.monotonic() - agent_started
+            events = result.events
+            trace.update(
+                status=result.status,
+                reason=result.reason,
+                final_message=result.final_message,
+                diff=result.diff,
+                messages=result.messages,
+                turns=result.turns,
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                duration_s=result.duration_s,
+            )
+            stats = _tool_statistics(result.events)
+            if result.infrastructure_error:
+                return invalid(result.reason, result.turns)
+            reward_started = time.monotonic()
+            try:
+                reward = score_rollout(
+                    sandbox=sandbox, task=task, config=RewardConfig(partial_credit=config.partial_credit)
+                )
+            except RewardInfrastructureError as error:
+                return invalid(str(error), result.turns)
+            timings["reward_s"] = time.monotonic() - reward_started
+            return finish(
+                RolloutRecord(
+                    task_id=task.task_id,
+                    group=group_index,
+                    valid=True,
+                    reward=reward.value,
+                    passed=reward.passed,
+                    tests_total=reward.tests_total,
+                    segments=policy.segments,
+                    status=f"{result.status}: {result.reason}",
+                    turns=result.turns,
+                    duration_s=time.monotonic() - started,
+                )
+            )
+        finally:
+            try:
+                sandbox.destroy()
+            except SandboxError as error:
+                logger.warning("could not destroy sandbox of %s: %s", rollout_id, error)
+
+
+# --------------------------------------------------------------------------------------- driver
+@dataclass
+class _RunState:
+    version: int = 0
+    counted_groups: set[str] = field(default_factory=set)
+    started_at: float = field(default_factory=time.monotonic)
+    trained_samples: int = 0
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _truncate_jsonl(path: Path, *, max_step: int) -> None:
+    """Drop log lines of steps after the checkpoint we resume from (they will be redone)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= max_step
+    ]
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_async_rl(
+    config: AsyncRLConfig,
+    *,
+    on_step: Callable[[dict], None] | None = None,
+    on_rollout: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+) -> list[dict]:
+    """Run (or resume) the experiment until `config.steps` updates exist; returns this call's metrics."""
+    import ray
+    import torch
+
+    from training.checkpoint import load_checkpoint
+    from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
+    from training.train.rl import RLConfig, policy_updates, rollout_advantages, segments_to_batches
+    from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
+    model.train()
+    optimizer_config = OptimizerConfig(lr=config.lr, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0)
+    optimizer = build_optimizer(model, optimizer_config)
+    lr_schedule = build_scheduler(optimizer, optimizer_config, total_steps=config.steps)
+    state = _RunState()
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        restored = load_train_checkpoint(
+            path=checkpoint, model=model, optimizer=optimizer, scheduler=lr_schedule
+        )
+        state.version = int(restored.data_position["version"])
+        state.counted_groups = set(restored.data_position["counted_groups"])
+    else:
+        torch.manual_seed(config.seed)
+    for name in (METRICS_FILE, ROLLOUTS_FILE):
+        _truncate_jsonl(run_dir / name, max_step=state.version)
+    if state.version >= config.steps:
+        return []
+    # The trainer's update reads its loss settings from an RLConfig; build one that matches ours.
+    update_config = RLConfig(
+        run_dir=str(run_dir),
+        init_checkpoint=config.init_checkpoint,
+        tasks=config.tasks,
+        tasks_per_step=min(config.groups_per_step, config.tasks),
+        group_size=config.group_size,
+        steps=config.steps,
+        updates_per_step=config.updates_per_step,
+        temperature=config.temperature,
+        routing_replay=True,
+        max_turns=config.max_turns,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+        optimizer=optimizer_config,
+    )
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        if config.ray_address:
+            ray.init(address=config.ray_address, ignore_reinit_error=True, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=config.ray_num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                resources={"sandbox_slots": config.rollout_workers} if config.sandbox_hosts else None,
+            )
+    fleet, fleet_started = _fleet_start(config) if config.sandbox_hosts else (None, False)
+    # A dead actor process is restarted by Ray; the call it was running fails, and the scheduler
+    # re-dispatches that slot under a new rollout id instead of scoring it.
+    inference_cls = ray.remote(InferenceServer).options(
+        num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0
+    )
+    worker_cls = ray.remote(RolloutServer).options(
+        num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0
+    )
+    config_data = asdict(config)
+    inference_actors = [
+        inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers)
+        for _ in range(config.inference_actors)
+    ]
+    workers = [worker_cls.remote(config_data) for _ in range(config.rollout_workers)]
+    idle_workers: queue.Queue = queue.Queue()
+    for index, worker in enumerate(workers):
+        idle_workers.put((worker, inference_actors[index % len(inference_actors)]))
+
+    def push_weights(version: int) -> float:
+        started = time.monotonic()
+        weights = ray.put({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+        ray.get([actor.set_weights.remote(version, weights) for actor in inference_actors])
+        return time.monotonic() - started
+
+    if state.version > 0:
+        push_weights(state.version)
+
+    def group_stream():
+        index = 0
+        while True:
+            yield f"group-{index:06d}", str(index)
+            index += 1
+
+    def submit_rollout(request: RolloutRequest, version: int) -> Future:
+        worker, inference = idle_workers.get()
+        seed = (
+            config.seed * 1_000_003 + int(request.task_key) * 7919 + request.sample_index * 104_729 + version
+        )
+        future = worker.run.remote(
+            group_index=int(request.task_key),
+            sample_index=request.sample_index,
+            rollout_id=request.rollout_id,
+            inference=inference,
+            seed=seed,
+            fleet=fleet,
+        ).future()
+        future.add_done_callback(lambda _done: idle_workers.put((worker, inference)))
+        return future
+
+    history: list[dict] = []
+
+    def train(groups: list[list[RolloutSample]], version: int) -> int:
+        update_started = time.monotonic()
+        samples = [sample for group in groups for sample in group]
+        records = []
+        for group_position, group in enumerate(groups):
+            for sample in group:
+                sample.result["record"].group = group_position
+                records.append(sample.result["record"])
+        advantages = rollout_advantages(records, update_config.grpo)
+        batches = segments_to_batches(
+            records=records,
+            advantages=advantages,
+            micro_batch_size=1,
+            pad_id=tokenizer.pad_id,
+            with_routing=model.config.is_moe,
+        )
+        update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
+        if update_stats.get("trained_tokens"):
+            # No optimizer step was taken when every rollout was masked; the schedule waits too.
+            lr_schedule.step()
+        update_seconds = time.monotonic() - update_started
+        new_version = version + 1
+        state.counted_groups.update(group[0].request.group_id for group in groups)
+
+        valid = [record for record in records if record.valid]
+        results = [sample.result for sample in samples]
+        tool_calls = sum(result["stats"]["tool_calls"] for result in results)
+        tool_turns = sum(result["stats"]["tool_turns"] for result in results)
+        wall = time.monotonic() - state.started_at
+        state.trained_samples += len(samples)
+        metrics = {
+            "step": new_version,
+            "rollouts": len(samples),
+            "valid_rollouts": len(valid),
+            "masked_rollouts": len(records) - len(valid),
+            "mean_reward": _mean([record.reward for record in valid]),
+            "pass_rate": _mean([float(record.passed) for record in valid]),
+            "mean_completion_tokens": _mean([float(record.completion_tokens) for record in records]),
+            "mean_turns": _mean([float(record.turns) for record in records]),
+            "tool_calls_per_turn": tool_calls / tool_turns if tool_turns else 0.0,
+            "parallel_call_share": (
+                sum(result["stats"]["parallel_turns"] for result in results) / tool_turns
+                if tool_turns
+                else 0.0
+            ),
+            "staleness_mean": _mean([float(sample.staleness) for sample in samples]),
+            "staleness_max": max(sample.staleness for sample in samples),
+            "rollouts_per_s": state.trained_samples / wall if wall > 0 else 0.0,
+            "worker_utilization": min(1.0, scheduler.stats.busy_seconds / (config.rollout_workers * wall)),
+            "dropped_stale_total": scheduler.stats.dropped_stale,
+            "failed_rollouts_total": scheduler.stats.failed,
+            "stage_seconds": {
+                "sandbox": _mean([result["timings"]["sandbox_s"] for result in results]),
+                "agent": _mean([result["timings"]["agent_s"] for result in results]),
+                "reward": _mean([result["timings"]["reward_s"] for result in results]),
+                "update": update_seconds,
+            },
+            **{
+                key: value
+                for key, value in update_stats.items()
+                if key in ("loss", "clip_fraction", "approx_kl")
+            },
+        }
+        rollout_rows = []
+        for group_position, group in enumerate(groups):
+            for sample in group:
+                record = sample.result["record"]
+                rollout_rows.append(
+                    {
+                        "step": new_version,
+                        "rollout_id": sample.request.rollout_id,
+                        "group_id": sample.request.group_id,
+                        "task_id": record.task_id,
+                        "sample_index": sample.request.sample_index,
+                        "valid": record.valid,
+                        "reward": record.reward,
+                        "passed": record.passed,
+                        "status": record.status,
+                        "advantage": float(advantages[records.index(record)]),
+                        "completion_tokens": record.completion_tokens,
+                        "turns": record.turns,
+                        "policy_version": sample.policy_version,
+                        "staleness": sample.staleness,
+                        "tools_used": sample.result["stats"]["tools_used"],
+                        "tool_calls": sample.result["stats"]["tool_calls"],
+                        "group_position": group_position,
+                    }
+                )
+        # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,
+        # which the resumed run truncates and then redoes, so no step or rollout is logged twice.
+        (run_dir / TRACES_DIR).mkdir(exist_ok=True)
+        for sample, row in zip(samples, rollout_rows, strict=True):
+            _write_json(trace_path(run_dir, row["rollout_id"]), sample.result["trace"])
+        for row in rollout_rows:
+            _append_jsonl(run_dir / ROLLOUTS_FILE, row)
+        _append_jsonl(run_dir / METRICS_FILE, metrics)
+        checkpoint_started = time.monotonic()
+        save_train_checkpoint(
+            run_dir=run_dir,
+            step=new_version,
+            model=model,
+            tokenizer=tokenizer,
+            optimizer=optimizer,
+            scheduler=lr_schedule,
+            data_position={"version": new_version, "counted_groups": sorted(state.counted_groups)},
+            run_config={"stage": "async-rl", **config_data},
+            metrics=metrics,
+            keep_last=config.keep_checkpoints,
+        )
+        checkpoint_seconds = time.monotonic() - checkpoint_started
+        weight_push_seconds = push_weights(new_version)
+        metrics["stage_seconds"].update(checkpoint=checkpoint_seconds, weight_push=weight_push_seconds)
+        history.append(metrics)
+        if on_rollout is not None:
+            for sample, row in zip(samples, rollout_rows, strict=True):
+                on_rollout({**row, "trace": sample.result["trace"]})
+        if on_step is not None:
+            on_step(metrics)
+        return new_version
+
+    learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+    scheduler = RolloutScheduler(
+        config=config.scheduler_config,
+        submit_rollout=submit_rollout,
+        submit_update=lambda groups, version: learner.submit(train, groups, version),
+        groups=group_stream(),
+        start_version=state.version,
+        is_counted=lambda group_id: group_id in state.counted_groups,
+        stop=stop,
+    )
+    _write_status(
+        run_dir,
+        {
+            "state": "running",
+            "pid": os.getpid(),
+            "version": state.version,
+            "rollout_worker_pids": ray.get([worker.pid.remote() for worker in workers]),
+            "inference_pids": ray.get([actor.pid.remote() for actor in inference_actors]),
+        },
+    )
+    try:
+        scheduler.run(steps=config.steps - state.version)
+    finally:
+        learner.shutdown(wait=True)
+        for actor in [*workers, *inference_actors]:
+            ray.kill(actor)
+        if fleet is not None and fleet_started:
+            fleet.shutdown()
+        if owns_ray:
+            ray.shutdown()
+    finished = scheduler.version >= config.steps
+    _write_status(
+        run_dir,
+        {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": scheduler.version},
+    )
+    return history
+
+
+def _fleet_start(config: AsyncRLConfig):
+    """(fleet, started_here): attach to running sandbox-host actors, or start one per node with slots."""
+    from sandboxes.base import SandboxError
+    from sandboxes.fleet.client import Fleet, FleetConfig
+
+    fleet_config = FleetConfig(backend=config.sandbox_backend or "local")
+    if not config.fleet_heartbeats:
+        fleet_config = dataclasses.replace(fleet_config, heartbeat_sink=None)
+    try:
+        return Fleet.connect(fleet_config), False
+    except SandboxError:
+        return Fleet.start(fleet_config), True
+
+
+def _write_json(path: Path, data: dict) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, default=str))
+    os.replace(temporary, path)
+
+
+def read_status(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / STATUS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_status(run_dir: Path, status: dict) -> None:
+    temporary = run_dir / (STATUS_FILE + ".tmp")
+    temporary.write_text(json.dumps({**status, "updated_at": time.time()}))
+    os.replace(temporary, run_dir / STATUS_FILE)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Asynchronous GRPO driver (Ray single controller).")
+    parser.add_argument("--config", required=True, help="JSON file with AsyncRLConfig fields")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = AsyncRLConfig.from_dict(json.loads(Path(args.config).read_text()))
+    stop = threading.Event()
+    # SIGTERM (pause, cancel, shutdown) stops dispatching; the update in progress still finishes and
+    # is checkpointed, so a later start resumes exactly there.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for metrics in run_async_rl(config, stop=stop):
+        logger.info("step %s: reward %s", metrics["step"], metrics["mean_reward"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""RL with GRPO: rollouts of the policy in real sandboxes, test-based rewards, clipped policy update.
+
+Launch:
+
+    .venv/bin/python manage.py rl --run-dir var/runs/rl --init-checkpoint var/runs/sft/checkpoints/step-00000100 \\
+        --tasks 64 --tasks-per-step 4 --group-size 8 --steps 200
+
+Each step, readable top to bottom in `rl()`:
+ 1. pick tasks_per_step toy tasks (a pure function of the step, so resume needs only the step);
+ 2. run group_size rollouts per task through the product's agent loop (training.agent.loop.run_agent)
+    in real sandboxes, with the current policy served in-process by training.serving.ChatModel;
+ 3. score every rollout with the task's hidden tests (training.tasks.reward.score_rollout);
+    infrastructure failures are masked, never scored as zero;
+ 4. shape rewards with the length penalty, compute group-relative advantages (training.train.grpo);
+ 5. every model call of a rollout is a training segment with the rollout's advantage; recompute
+    the sampled tokens' logprobs (optionally replaying the experts recorded at rollout time) and
+    take updates_per_step clipped-ratio steps against the recorded behaviour logprobs;
+ 6. copy the new weights into the serving model, log, checkpoint (exactly resumable).
+
+How this differs from the GRPO paper and large-scale agent RL (DeepSeek-R1, Kimi k1.5, SWE-RL):
+synchronous generate-then-train on one process (no separate inference fleet, weights are copied in
+memory), no reference-model KL, DAPO-style clip-higher and token-level normalisation, toy bug-fix
+tasks instead of real repositories, and a scalar test-pass reward (optionally partial credit).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.agent.config import AgentLimits
+from training.checkpoint import load_checkpoint
+from training.engine import EngineConfig
+from training.model.transformer import MoETransformer
+from training.serving import ChatModel
+from training.tasks.reward import RewardConfig
+from training.train.grpo import GRPOConfig, group_advantages, policy_loss, shaped_rewards, token_logprobs
+from training.train.loop import (
+    METRICS_FILE,
+    OptimizerConfig,
+    TrainConfigError,
+    build_optimizer,
+    build_scheduler,
+)
+from training.train.rollouts import RolloutRecord, rollouts_collect
+from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
+
+
+@dataclass
+class RLConfig:
+    """A GRPO run on toy bug-fixing tasks."""
+
+    run_dir: str
+    """Directory for checkpoints/, metrics.jsonl and rollouts.jsonl; re-running resumes."""
+
+    init_checkpoint: str
+    """Policy to start from (normally the SFT result)."""
+
+    tasks: int = 8
+    """Toy training tasks in the pool (cycled through in order)."""
+
+    task_seed_start: int = 0
+    """First train-split toy task index of the pool."""
+
+    tasks_per_step: int = 2
+    """Tasks (groups) per step."""
+
+    group_size: int = 4
+    """Rollouts per task; advantages are relative to the group."""
+
+    steps: int = 10
+    """Rollout-and-update rounds."""
+
+    updates_per_step: int = 1
+    """Optimizer steps on each batch of rollouts; later ones are off-policy and rely on the clipped ratio."""
+
+    micro_batch_size: int = 1
+    """Segments per forward/backward."""
+
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (training logprobs use the same temperature)."""
+
+    top_p: float = 1.0
+    """Nucleus mass of rollouts; must be 1.0 so behaviour logprobs are those of the full distribution."""
+
+    max_turns: int = 6
+    """Tool-calling turns per rollout."""
+
+    max_tokens_per_turn: int = 128
+    """Completion tokens per model call."""
+
+    rollout_wall_time_s: float = 600.0
+    """Wall-clock limit of one rollout."""
+
+    routing_replay: bool = True
+    """Feed the experts recorded at rollout time to the training forward (routing replay)."""
+
+    partial_credit: bool = False
+    """Reward the fraction of passing hidden tests instead of 0/1."""
+
+    sandbox_backend: str | None = None
+    """Sandbox backend name (None: the configured default)."""
+
+    seed: int = 0
+    """Seeds rollout sampling (offset by step) and the torch RNG."""
+
+    checkpoint_every: int = 1
+    """Checkpoint every this many steps (and at the end)."""
+
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept."""
+
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """Loss: clipping, normalisation, advantage and length-penalty settings."""
+
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-5, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0)
+    )
+    """Optimizer and schedule (constant LR by default, as is usual for RL)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grpo, dict):
+            self.grpo = GRPOConfig(**self.grpo)
+        if isinstance(self.optimizer, dict):
+            self.optimizer = OptimizerConfig(**self.optimizer)
+        for name in ("tasks", "tasks_per_step", "group_size", "steps", "updates_per_step", "micro_batch_size",
+                     "max_turns", "max_tokens_per_turn", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise TrainConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.group_size < 2:
+            raise TrainConfigError(
+                "group_size must be >= 2: GRPO's baseline is the mean of the other rollouts of the task."
+            )
+        if self.tasks_per_step > self.tasks:
+            raise TrainConfigError(f"tasks_per_step={self.tasks_per_step} exceeds the pool of tasks={self.tasks}.")
+        if self.temperature <= 0:
+            raise TrainConfigError("temperature must be > 0: greedy rollouts of one task are identical (no signal).")
+        if self.top_p != 1.0:
+            raise TrainConfigError(
+                "top_p must be 1.0: the engine's logprobs are those before nucleus truncation, so the "
+                "importance ratio would be wrong for truncated sampling."
+            )
+
+
+@dataclass
+class TrainingSegments:
+    """Padded tensors of the segments of one micro-batch."""
+
+    input_ids: torch.Tensor
+    """int64 [B, T]."""
+
+    targets: torch.Tensor
+    """int64 [B, T] next tokens (pad where no loss)."""
+
+    loss_mask: torch.Tensor
+    """float [B, T]: 1 on sampled completion tokens of valid rollouts."""
+
+    behaviour_logprobs: torch.Tensor
+    """float [B, T] logprobs recorded at rollout time (0 where masked)."""
+
+    advantages: torch.Tensor
+    """float [B] the advantage of each segment's rollout."""
+
+    routed_experts: torch.Tensor | None
+    """int64 [B, T, n_layers, top_k] recorded routing (None without replay or for dense models)."""
+
+
+def tasks_for_step(config: RLConfig, step: int) -> list:
+    from training.tasks.toy import generate_toy_task, toy_task_seeds
+
+    pool = toy_task_seeds(split="train", count=config.tasks, start=config.task_seed_start)
+    return [generate_toy_task(pool[(step * config.tasks_per_step + i) % len(pool)]) for i in range(config.tasks_per_step)]
+
+
+def rollout_advantages(records: list[RolloutRecord], config: GRPOConfig) -> torch.Tensor:
+    """Length-shaped, group-relative advantage per rollout (0 for masked ones)."""
+    valid = torch.tensor([record.valid for record in records], dtype=torch.bool)
+    rewards = torch.tensor([record.reward if record.valid else float("nan") for record in records])
+    groups = torch.tensor([record.group for record in records])
+    lengths = torch.tensor([float(record.completion_tokens) for record in records])
+    shaped = shaped_rewards(rewards=rewards, valid=valid, group_ids=groups, lengths=lengths, config=config.length_penalty)
+    return group_advantages(
+        rewards=shaped, valid=valid, group_ids=groups,
+        normalize_std=config.normalize_advantage_std, eps=config.advantage_eps,
+    )
+
+
+def segments_to_batches(
+    *,
+    records: list[RolloutRecord],
+    advantages: torch.Tensor,
+    micro_batch_size: int,
+    pad_id: int,
+    with_routing: bool,
+) -> list[TrainingSegments]:
+    """Every model call of every valid rollout with a nonzero advantage as a training row.
+
+    Invalid rollouts contribute nothing. Rollouts with zero advantage (a group whose rollouts all
+    scored the same) carry no gradient; leaving them out keeps them from diluting the token-level
+    normaliser, as DAPO's dynamic sampling does (without its over-sampling to refill the batch).
+    """
+    rows = []
+    for record, advantage in zip(records, advantages.tolist(), strict=True):
+        if not record.valid or advantage == 0.0:
+            continue
+        for segment in record.segments:
+            if not segment.token_ids:
+                continue
+            rows.append((segment, advantage))
+    batches = []
+    for start in range(0, len(rows), micro_batch_size):
+        chunk = rows[start : start + micro_batch_size]
+        length = max(len(s.prompt_token_ids) + len(s.token_ids) - 1 for s, _ in chunk)
+        size = len(chunk)
+        input_ids = torch.full((size, length), pad_id, dtype=torch.long)
+        targets = torch.full((size, length), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros(size, length)
+        behaviour = torch.zeros(size, length)
+        routing = None
+        for row, (segment, _) in enumerate(chunk):
+            sequence = torch.tensor(segment.prompt_token_ids + segment.token_ids, dtype=torch.long)
+            n = sequence.shape[0] - 1
+            input_ids[row, :n] = sequence[:-1]
+            targets[row, :n] = sequence[1:]
+            first = len(segment.prompt_token_ids) - 1
+            loss_mask[row, first:n] = 1.0
+            behaviour[row, first:n] = torch.tensor(segment.logprobs, dtype=torch.float32)
+            if with_routing and segment.routed_experts is not None:
+                recorded = segment.routed_experts.to(torch.long)
+                if routing is None:
+                    routing = torch.zeros((size, length, *recorded.shape[1:]), dtype=torch.long)
+                routing[row, : recorded.shape[0]] = recorded
+        batches.append(
+            TrainingSegments(
+                input_ids=input_ids, targets=targets, loss_mask=loss_mask, behaviour_logprobs=behaviour,
+                advantages=torch.tensor([advantage for _, advantage in chunk], dtype=torch.float32),
+                routed_experts=routing,
+            )
+        )
+    return batches
+
+
+def segment_logprobs(
+    model: MoETransformer, batch: TrainingSegments, *, temperature: float, routing_replay: bool
+) -> torch.Tensor:
+    """Logprobs of the batch's targets under `model`, at the rollout temperature."""
+    output = model(batch.input_ids, routing_override=batch.routed_experts if routing_replay else None)
+    return token_logprobs(output.logits / temperature, batch.targets)
+
+
+def rl(
+    config: RLConfig,
+    *,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_rollouts: Callable[[int, list[RolloutRecord], list[float]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) GRPO; returns the metrics of the steps run by this call.
+
+    on_rollouts(step, records, advantages) receives every step's rollouts (e.g. to store them for
+    the trace browser with webapp.agents.services.rollout_record).
+    """
+    from sandboxes import get_backend
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The policy (trained copy), its optimizer, and the serving copy that generates rollouts.
+    model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
+    model.train()
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = build_scheduler(optimizer, config.optimizer, total_steps=config.steps)
+    start_step = 0
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        restored = load_train_checkpoint(path=checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = int(restored.data_position["step"])
+    else:
+        torch.manual_seed(config.seed)
+    rollouts_per_step = config.tasks_per_step * config.group_size
+    chat_model = ChatModel(
+        copy.deepcopy(model), tokenizer, name="rl-policy",
+        engine_config=EngineConfig(max_batch_size=rollouts_per_step),
+    )
+    limits = AgentLimits(
+        max_turns=config.max_turns,
+        max_tokens=config.max_turns * config.max_tokens_per_turn * 2,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+        wall_time_s=config.rollout_wall_time_s,
+        context_tokens=model.config.max_seq_len,
+        temperature=config.temperature,
+        top_p=config.top_p,
+    )
+    backend = get_backend(config.sandbox_backend)
+    reward_config = RewardConfig(partial_credit=config.partial_credit)
+    history: list[dict[str, Any]] = []
+    try:
+        for step in range(start_step, config.steps):
+            # 2-3. Rollouts in sandboxes, scored by hidden tests.
+            rollout_started = time.perf_counter()
+            records = rollouts_collect(
+                tasks=tasks_for_step(config, step), group_size=config.group_size, backend=backend,
+                chat_model=chat_model, limits=limits, seed=config.seed * 1_000_003 + step * 7919,
+                reward_config=reward_config, max_workers=rollouts_per_step,
+            )
+            rollout_seconds = time.perf_counter() - rollout_started
+
+            # 4. Rewards -> advantages (masked rollouts get none).
+            advantages = rollout_advantages(records, config.grpo)
+            batches = segments_to_batches(
+                records=records, advantages=advantages, micro_batch_size=config.micro_batch_size,
+                pad_id=tokenizer.pad_id, with_routing=config.routing_replay and model.config.is_moe,
+            )
+
+            # 5. Clipped policy-gradient updates against the behaviour logprobs.
+            train_started = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=config)
+            if update_stats["trained_tokens"]:
+                scheduler.step()  # the schedule counts steps that updated the weights
+            with torch.no_grad():
+                chat_model.model.load_state_dict(model.state_dict())
+            train_seconds = time.perf_counter() - train_started
+
+            # 6. Log and checkpoint.
+            valid = [r for r in records if r.valid]
+            metrics = {
+                "step": step + 1,
+                "rollouts": len(records),
+                "valid_rollouts": len(valid),
+                "masked_rollouts": len(records) - len(valid),
+                "mean_reward": sum(r.reward for r in valid) / len(valid) if valid else None,
+                "success_rate": sum(r.passed for r in valid) / len(valid) if valid else None,
+                "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
+                "mean_turns": sum(r.turns for r in records) / max(len(records), 1),
+                "segments": sum(b.input_ids.shape[0] for b in batches),
+                "rollout_seconds": rollout_seconds,
+                "train_seconds": train_seconds,
+                "lr": lr,
+                **update_stats,
+            }
+            history.append(metrics)
+            _append_jsonl(run_dir / METRICS_FILE, metrics)
+            _append_jsonl(run_dir / "rollouts.jsonl", {"step": step + 1, "rollouts": [
+                {"task_id": r.task_id, "group": r.group, "valid": r.valid, "reward": r.reward, "passed": r.passed,
+                 "tests_total": r.tests_total,
+                 "status": r.status, "turns": r.turns, "completion_tokens": r.completion_tokens,
+                 "advantage": float(a)}
+                for r, a in zip(records, advantages.tolist(), strict=True)
+            ]})
+            if on_rollouts is not None:
+                on_rollouts(step + 1, records, advantages.tolist())
+            if on_step is not None:
+                on_step(metrics)
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                save_train_checkpoint(
+                    run_dir=run_dir, step=step + 1, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                    scheduler=scheduler, data_position={"step": step + 1},
+                    run_config={"stage": "rl", **asdict(config)}, metrics=metrics,
+                    keep_last=config.keep_checkpoints,
+                )
+    finally:
+        chat_model.close()
+    return history
+
+
+def policy_updates(
+    *, model: MoETransformer, optimizer: torch.optim.Optimizer, batches: list[TrainingSegments], config: RLConfig
+) -> dict[str, Any]:
+    """updates_per_step clipped policy-gradient steps on the batch; returns the logged statistics."""
+    total_tokens = float(sum(batch.loss_mask.sum() for batch in batches))
+    stats: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0, "approx_kl": 0.0,
+                             "logprob_mismatch": None, "grad_norm": 0.0, "trained_tokens": int(total_tokens)}
+    if total_tokens == 0:
+        # No rollout carries signal (all masked, or every group scored uniformly). Taking an Adam
+        # step on a zero gradient would still move the weights along the stale momentum, so skip it.
+        return stats
+    for update in range(config.updates_per_step):
+        weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "mismatch": 0.0}
+        for batch in batches:
+            logprobs = segment_logprobs(model, batch, temperature=config.temperature,
+                                        routing_replay=config.routing_replay)
+            out = policy_loss(
+                logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs, advantages=batch.advantages,
+                loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens,
+            )
+            out.loss.backward()
+            share = out.n_tokens / total_tokens
+            weighted["loss"] += float(out.loss.detach())
+            weighted["clip_fraction"] += out.clip_fraction * share
+            weighted["mean_ratio"] += out.mean_ratio * share
+            weighted["approx_kl"] += out.approx_kl * share
+            mask = batch.loss_mask.bool()
+            weighted["mismatch"] += float((logprobs.detach() - batch.behaviour_logprobs)[mask].abs().sum()) / total_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if update == 0:
+            # Before the first update the weights equal the behaviour policy's: any logprob gap is the
+            # train/rollout numerical mismatch (what routing replay reduces).
+            stats["logprob_mismatch"] = weighted["mismatch"]
+        stats.update(loss=weighted["loss"], clip_fraction=weighted["clip_fraction"],
+                     mean_ratio=weighted["mean_ratio"], approx_kl=weighted["approx_kl"], grad_norm=float(grad_norm))
+    return stats
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()

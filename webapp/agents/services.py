@@ -1,0 +1,719 @@
+"""Writes of the agents app: repositories, task submission, the run itself, events, cancellation.
+
+Side effects (enqueueing the Celery task, publishing to the Channels group) happen only in
+``transaction.on_commit`` so nobody is told about rows that were rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import tarfile
+import threading
+import uuid
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.files.uploadedfile import UploadedFile
+from django.db import connection, transaction
+from django.utils import timezone
+
+from training.agent.config import AgentConfigError, AgentLimits
+from webapp.agents.models import AgentTask, Repository, TaskEvent
+from webapp.agents.selectors import LIVE_CHANNEL_LAYER, event_to_wire, event_wire, task_group_name
+
+logger = logging.getLogger(__name__)
+
+GIT_URL_PATTERN = re.compile(r"^(https?://|ssh://|git://)[^\s]+$|^[\w.-]+@[\w.-]+:[^\s]+$")
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+MAX_ARCHIVE_MEMBERS = 20_000
+MAX_ARCHIVE_UNPACKED_BYTES = 512 * 1024 * 1024
+DISPLAY_CHARS = 4000
+
+
+class ClaimLost(Exception):
+    """Another worker took the task over (or it finished); this worker must stop writing."""
+
+
+# --- Channels publishing ---------------------------------------------------------------------
+
+class _GroupPublisher:
+    """Sends group messages from one long-lived event loop thread, in submission order.
+
+    ``async_to_sync(group_send)`` per event would build a new event loop and Redis connection each
+    time (milliseconds) and block the agent; here the agent only enqueues. Order is kept because one
+    coroutine sends the messages one after another. A lost message costs a viewer nothing: the
+    consumer fills gaps from the database.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+        self._pid = 0
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            # After a fork (prefork Celery pool) the parent's thread does not exist in the child.
+            if self._loop is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._loop = asyncio.new_event_loop()
+            self._queue = asyncio.Queue()
+            ready = threading.Event()
+            threading.Thread(target=self._serve, args=(ready,), name="channels-publisher", daemon=True).start()
+            ready.wait(5)
+
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(ready.set)
+        self._loop.run_until_complete(self._drain())
+
+    async def _drain(self) -> None:
+        layer = get_channel_layer(LIVE_CHANNEL_LAYER)
+        while True:
+            batch = [await self._queue.get()]
+            # A turn's events are committed a few milliseconds apart; waiting a moment lets them
+            # leave as one message, which matters when hundreds of viewers each get every message.
+            await asyncio.sleep(COALESCE_WINDOW_S)
+            while not self._queue.empty() and len(batch) < MAX_EVENTS_PER_MESSAGE:
+                batch.append(self._queue.get_nowait())
+            for group, message in _coalesce_events([(group, message) for group, message, _ in batch]):
+                try:
+                    if layer is not None:
+                        await layer.group_send(group, message)
+                except Exception:  # a broken channel layer must not fail the run; viewers resume from the DB
+                    logger.exception("could not publish to %s", group)
+            for _, _, done in batch:
+                self._queue.task_done()
+                if done is not None:
+                    done.set()
+
+    def submit(self, group: str, message: dict, *, wait_s: float = 0.0) -> None:
+        self._ensure_started()
+        done = threading.Event() if wait_s else None
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (group, message, done))
+        if done is not None:
+            done.wait(wait_s)
+
+
+_publisher = _GroupPublisher()
+MAX_EVENTS_PER_MESSAGE = 64
+COALESCE_WINDOW_S = 0.01
+
+
+def _coalesce_events(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Merge consecutive events of one task into one group message (one websocket frame per viewer).
+
+    A turn publishes several events within milliseconds (model output, its tool calls, then their
+    results); with hundreds of viewers each extra message costs hundreds of deliveries. Order is
+    kept: only neighbours merge, and a status message ends a run of events.
+    """
+    merged: list[tuple[str, dict]] = []
+    pending: list[str] = []
+    pending_group, first_seq, last_seq = "", 0, 0
+
+    def flush() -> None:
+        if pending:
+            text = '{"type": "events", "events": [' + ", ".join(pending) + "]}"
+            merged.append((pending_group, {"type": "task.event", "seq": first_seq, "last_seq": last_seq, "text": text}))
+            pending.clear()
+
+    for group, message in items:
+        if message.get("type") != "task.event":
+            flush()
+            merged.append((group, message))
+            continue
+        if pending and (group != pending_group or message["seq"] != last_seq + 1):
+            flush()
+        if not pending:
+            pending_group, first_seq = group, message["seq"]
+        pending.append(message["event_json"])
+        last_seq = message["seq"]
+    flush()
+    return merged
+
+
+def _publish(*, task_id: int, message: dict) -> None:
+    # The final status waits briefly so a process that exits right after (demo seeding) still sends it.
+    final = message.get("type") == "task.status" and message.get("status") in AgentTask.FINISHED
+    _publisher.submit(task_group_name(task_id=task_id), message, wait_s=2.0 if final else 0.0)
+
+
+def _publish_status_on_commit(task: AgentTask) -> None:
+    message = {"type": "task.status", "status": task.status, "reason": task.status_reason, "last_seq": task.last_seq}
+    transaction.on_commit(lambda: _publish(task_id=task.pk, message=message))
+
+
+# --- Repositories ----------------------------------------------------------------------------
+
+def archive_store(*, upload: UploadedFile) -> Path:
+    """Validate an uploaded archive and keep it under the state dir; refuse anything unsafe."""
+    name = upload.name or ""
+    if not name.lower().endswith(ARCHIVE_SUFFIXES):
+        raise ValidationError({"archive": f"'{name}' is not a supported archive; upload a .tar.gz, .tgz, .tar or .zip file"})
+    if upload.size > settings.MAX_UPLOAD_BYTES:
+        raise ValidationError({"archive": f"the archive is {upload.size} bytes; the limit is {settings.MAX_UPLOAD_BYTES} bytes"})
+    target_dir = Path(settings.STATE_DIR) / "uploads"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    suffix = next(s for s in ARCHIVE_SUFFIXES if name.lower().endswith(s))
+    target = target_dir / f"{uuid.uuid4().hex}{suffix}"
+    with target.open("wb") as out:
+        for chunk in upload.chunks():
+            out.write(chunk)
+    try:
+        _archive_check(target)
+    except ValidationError:
+        target.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _member_problem(member_name: str) -> str | None:
+    if member_name.startswith("/") or re.match(r"^[A-Za-z]:", member_name):
+        return f"member '{member_name}' has an absolute path"
+    if ".." in Path(member_name).parts:
+        return f"member '{member_name}' escapes the archive with '..'"
+    return None
+
+
+def _archive_check(path: Path) -> None:
+    total = 0
+    try:
+        if path.name.endswith(".zip"):
+            with zipfile.ZipFile(path) as archive:
+                members = archive.infolist()
+                if len(members) > MAX_ARCHIVE_MEMBERS:
+                    raise ValidationError({"archive": f"the archive has {len(members)} members; the limit is {MAX_ARCHIVE_MEMBERS}"})
+                for info in members:
+                    if problem := _member_problem(info.filename):
+                        raise ValidationError({"archive": problem})
+                    total += info.file_size
+        else:
+            with tarfile.open(path) as archive:
+                for count, member in enumerate(archive, start=1):
+                    if count > MAX_ARCHIVE_MEMBERS:
+                        raise ValidationError({"archive": f"the archive has more than {MAX_ARCHIVE_MEMBERS} members"})
+                    if problem := _member_problem(member.name):
+                        raise ValidationError({"archive": problem})
+                    if member.issym() or member.islnk():
+                        target = member.linkname
+                        if target.startswith("/") or ".." in Path(target).parts:
+                            raise ValidationError({"archive": f"link '{member.name}' points outside the archive ({target})"})
+                    elif not (member.isfile() or member.isdir()):
+                        raise ValidationError({"archive": f"member '{member.name}' is a device or fifo, which is not allowed"})
+                    total += member.size
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise ValidationError({"archive": f"the archive is malformed or truncated and cannot be read ({exc})"}) from exc
+    if total > MAX_ARCHIVE_UNPACKED_BYTES:
+        raise ValidationError({"archive": f"the archive unpacks to {total} bytes; the limit is {MAX_ARCHIVE_UNPACKED_BYTES} bytes"})
+
+
+def git_url_check(*, url: str) -> str:
+    url = (url or "").strip()
+    if not GIT_URL_PATTERN.match(url):
+        raise ValidationError({"git_url": f"'{url}' is not a git URL; use https://, ssh://, git:// or user@host:path"})
+    return url
+
+
+@transaction.atomic
+def repository_create(
+    *, owner, name: str, kind: str, location: str = "", ref: str = "", description: str = "",
+    archive: UploadedFile | None = None, team=None, allow_server_path: bool = False,
+) -> Repository:
+    """Register a repository. Server directories (``kind="path"``) are for staff and the demo only."""
+    name = (name or "").strip()
+    if not name:
+        raise ValidationError({"name": "give the repository a name"})
+    if Repository.objects.filter(owner=owner, name=name).exists():
+        raise ValidationError({"name": f"you already have a repository named '{name}'"})
+    if kind == Repository.Kind.GIT:
+        location = git_url_check(url=location)
+    elif kind == Repository.Kind.ARCHIVE:
+        if archive is None:
+            raise ValidationError({"archive": "upload an archive for an archive repository"})
+        location = str(archive_store(upload=archive))
+    elif kind == Repository.Kind.PATH:
+        if not (allow_server_path or owner.is_staff):
+            raise ValidationError({"kind": "only staff may register directories on the server"})
+        if not Path(location).is_dir():
+            raise ValidationError({"location": f"'{location}' is not a directory on the server"})
+    else:
+        raise ValidationError({"kind": f"unknown repository kind '{kind}'; use git, path or archive"})
+    if ref and kind != Repository.Kind.GIT:
+        raise ValidationError({"ref": "a ref only applies to git repositories"})
+    return Repository.objects.create(owner=owner, team=team, name=name, kind=kind, location=location, ref=ref,
+                                     description=description)
+
+
+# --- Task submission -------------------------------------------------------------------------
+
+def _limits_check(limits: dict[str, Any] | None) -> dict[str, Any]:
+    try:
+        return AgentLimits.from_dict(limits).to_dict()
+    except (AgentConfigError, TypeError) as exc:
+        raise ValidationError({"limits": str(exc)}) from exc
+
+
+def _policy_options_check(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(options or {})
+    allowed = {"step_delay_s"} if backend == AgentTask.Backend.SCRIPTED else {"seed"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValidationError({"policy_options": f"unknown option(s) for backend {backend}: {', '.join(unknown)}; "
+                                                 f"allowed: {', '.join(sorted(allowed)) or 'none'}"})
+    if "step_delay_s" in options:
+        delay = options["step_delay_s"]
+        if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay <= 60:
+            raise ValidationError({"policy_options": "step_delay_s must be a number of seconds in [0, 60]"})
+    if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
+        raise ValidationError({"policy_options": "seed must be an integer"})
+    return options
+
+
+@transaction.atomic
+def task_create(
+    *,
+    owner,
+    prompt: str,
+    backend: str,
+    repository: Repository | None = None,
+    git_url: str = "",
+    git_ref: str = "",
+    archive: UploadedFile | None = None,
+    model_name: str = "",
+    base_url: str = "",
+    api_key: str = "",
+    limits: dict[str, Any] | None = None,
+    policy_options: dict[str, Any] | None = None,
+    team=None,
+    builtin_base_url: str = "",
+    enqueue: bool = True,
+) -> AgentTask:
+    """Validate a submission, store the task as ``queued`` and enqueue its run after commit.
+
+    Exactly one of ``repository`` (already checked visible to ``owner``), ``git_url`` or
+    ``archive`` names the code. ``builtin_base_url`` is this server's ``/v1`` as seen by the
+    submitting request, used for the built-in model unless ``AGENT_BUILTIN_BASE_URL`` is set.
+    """
+    errors: dict[str, str] = {}
+    prompt = (prompt or "").strip()
+    if not prompt:
+        errors["prompt"] = "describe the task for the agent"
+    elif len(prompt) > 20_000:
+        errors["prompt"] = f"the prompt is {len(prompt)} characters; the limit is 20000"
+    sources = [name for name, given in (("repository", repository), ("git_url", git_url), ("archive", archive)) if given]
+    if len(sources) != 1:
+        errors["repository"] = ("choose a registered repository, a git URL or an archive"
+                                if not sources else f"give only one of repository, git URL or archive (got {', '.join(sources)})")
+    if backend not in AgentTask.Backend.values:
+        errors["backend"] = f"unknown backend '{backend}'; choose one of {', '.join(AgentTask.Backend.values)}"
+    if errors:
+        raise ValidationError(errors)
+
+    limits = _limits_check(limits)
+    policy_options = _policy_options_check(backend, policy_options)
+
+    if backend == AgentTask.Backend.OPENAI:
+        base_url = (base_url or settings.OPENAI_BASE_URL or "").strip()
+        model_name = (model_name or settings.OPENAI_MODEL or "").strip()
+        if not base_url.startswith(("http://", "https://")):
+            raise ValidationError({"base_url": "give the http(s) base URL of the OpenAI-compatible server (or set OPENAI_BASE_URL)"})
+        if not model_name:
+            raise ValidationError({"model_name": "name the model to call (or set OPENAI_MODEL)"})
+    elif backend == AgentTask.Backend.BUILTIN:
+        if not settings.MODEL_CHECKPOINT:
+            raise ValidationError({"backend": "the built-in model is not configured: set FLOWSTATE_MODEL_CHECKPOINT to a checkpoint directory"})
+        base_url = settings.AGENT_BUILTIN_BASE_URL or builtin_base_url
+        if not base_url:
+            raise ValidationError({"backend": "set AGENT_BUILTIN_BASE_URL so workers can reach this server's /v1 endpoint"})
+        model_name, api_key = settings.AGENT_BUILTIN_MODEL_NAME, ""
+    else:
+        from training.agent.scripted import SCRIPTED_MODEL_NAME
+
+        model_name, base_url, api_key = SCRIPTED_MODEL_NAME, "", ""
+
+    if repository is not None:
+        kind, location, ref, label = repository.kind, repository.location, repository.ref, repository.name
+    elif git_url:
+        kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref.strip()
+        label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
+    else:
+        kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
+
+    task = AgentTask.objects.create(
+        owner=owner, team=team, repository=repository, repo_kind=kind, repo_location=location, repo_ref=ref,
+        repo_label=label[:200], prompt=prompt, backend=backend, model_name=model_name, base_url=base_url,
+        api_key=api_key, limits=limits, policy_options=policy_options,
+    )
+    from webapp.agents.tasks import agent_task_run
+
+    if enqueue:
+        transaction.on_commit(lambda: agent_task_run.delay(task.pk))
+    return task
+
+
+@transaction.atomic
+def task_cancel(*, task: AgentTask, user) -> AgentTask:
+    """Cancel a queued task at once; ask a running one to stop at its next step."""
+    task = AgentTask.objects.select_for_update().get(pk=task.pk)
+    if task.is_finished:
+        raise ValidationError({"status": f"the task already {task.status}; only queued or running tasks can be cancelled"})
+    task.cancel_requested = True
+    if task.status == AgentTask.Status.QUEUED:
+        task.status = AgentTask.Status.CANCELLED
+        task.status_reason = f"cancelled by {user.get_username()} before it started"
+        task.finished_at = timezone.now()
+    task.save(update_fields=["cancel_requested", "status", "status_reason", "finished_at"])
+    _publish_status_on_commit(task)
+    return task
+
+
+# --- Running -------------------------------------------------------------------------------
+
+@transaction.atomic
+def task_claim(*, task_id: int) -> tuple[AgentTask, uuid.UUID] | None:
+    """Take the task for this worker, or return None when it must not run here.
+
+    A running task whose heartbeat is fresh belongs to a live worker (duplicate delivery): skipped.
+    A running task with a stale heartbeat lost its worker: retried in a fresh sandbox, or failed
+    with the reason once ``AGENT_MAX_ATTEMPTS`` is used up. The new claim token makes any surviving
+    writer of the old attempt fail with ``ClaimLost``, so two agents never write to one task.
+    """
+    try:
+        task = AgentTask.objects.select_for_update().get(pk=task_id)
+    except AgentTask.DoesNotExist:
+        return None
+    now = timezone.now()
+    if task.is_finished:
+        return None
+    if task.cancel_requested:
+        _task_finish_row(task, status=AgentTask.Status.CANCELLED, reason="cancelled before it started")
+        return None
+    if task.status == AgentTask.Status.RUNNING:
+        stale_before = now - timedelta(seconds=settings.AGENT_STALE_AFTER_S)
+        if task.heartbeat_at and task.heartbeat_at > stale_before:
+            return None
+        if task.attempt >= settings.AGENT_MAX_ATTEMPTS:
+            _task_finish_row(task, status=AgentTask.Status.FAILED, reason=(
+                f"the worker running attempt {task.attempt} stopped responding and no attempts are left "
+                f"(AGENT_MAX_ATTEMPTS={settings.AGENT_MAX_ATTEMPTS})"))
+            return None
+        _event_insert(task, kind="retry", turn=0, payload={
+            "reason": f"the worker running attempt {task.attempt} stopped responding; restarting in a fresh sandbox",
+            "previous_attempt": task.attempt,
+        })
+    task.attempt += 1
+    task.claim_token = uuid.uuid4()
+    task.status = AgentTask.Status.RUNNING
+    task.status_reason = f"attempt {task.attempt} running"
+    task.started_at = task.started_at or now
+    task.heartbeat_at = now
+    task.save(update_fields=["attempt", "claim_token", "status", "status_reason", "started_at", "heartbeat_at", "last_seq"])
+    _publish_status_on_commit(task)
+    return task, task.claim_token
+
+
+def _event_fields(kind: str, payload: dict) -> tuple[dict, str, str]:
+    """Split a loop event payload into (stored payload with truncated display, full output, tool name)."""
+    payload = dict(payload)
+    full_output = ""
+    if kind == "tool_result":
+        full_output = payload.pop("output", "") or ""
+        display = payload.get("display") or full_output
+        if len(display) > DISPLAY_CHARS:
+            display = display[:DISPLAY_CHARS] + f"\n[... {len(full_output) - DISPLAY_CHARS} more characters; open the full result]"
+        payload["display"] = display
+        payload["output_chars"] = len(full_output)
+    tool_name = (payload.get("name") or "")[:50] if kind in ("tool_call", "tool_result") else ""
+    return payload, full_output, tool_name
+
+
+def _publish_event_on_commit(*, task_id: int, wire: dict) -> None:
+    # Serialised once here instead of once per viewer: a task may have hundreds of viewers.
+    message = {"type": "task.event", "seq": wire["seq"], "event_json": json.dumps(wire)}
+    transaction.on_commit(lambda: _publish(task_id=task_id, message=message))
+
+
+def _event_insert(task: AgentTask, *, kind: str, turn: int, payload: dict, ts: float | None = None) -> TaskEvent:
+    """Insert the next event of a locked task row and publish it after commit."""
+    payload, full_output, tool_name = _event_fields(kind, payload)
+    task.last_seq += 1
+    event = TaskEvent.objects.create(
+        task=task, seq=task.last_seq, kind=kind, turn=turn, attempt=max(task.attempt, 1), tool_name=tool_name,
+        payload=payload, full_output=full_output, ts=ts if ts is not None else timezone.now().timestamp(),
+    )
+    _publish_event_on_commit(task_id=task.pk, wire=event_to_wire(event=event))
+    return event
+
+
+# One statement = one round trip and its own transaction: claim check, sequence number, heartbeat
+# and the event row together. The live view's latency is mostly this write.
+_APPEND_SQL = """
+WITH claimed AS (
+    UPDATE {task_table} SET last_seq = last_seq + 1, heartbeat_at = %(now)s
+    WHERE id = %(task_id)s AND claim_token = %(token)s AND status = 'running'
+    RETURNING id, last_seq, attempt
+)
+INSERT INTO {event_table} (task_id, seq, kind, turn, tool_name, attempt, payload, full_output, ts)
+SELECT id, last_seq, %(kind)s, %(turn)s, %(tool_name)s, GREATEST(attempt, 1), %(payload)s::jsonb, %(full_output)s, %(ts)s
+FROM claimed
+RETURNING seq, attempt
+"""
+
+
+def task_event_append(*, task_id: int, claim_token: uuid.UUID, event: dict) -> int:
+    """Persist one loop event for the worker holding the claim and publish it after commit; return
+    its sequence number. Raise ``ClaimLost`` when another worker holds the task (or it finished)."""
+    kind, turn = event["kind"], event.get("turn", 0)
+    ts = event.get("ts") or timezone.now().timestamp()
+    payload, full_output, tool_name = _event_fields(kind, event.get("payload", {}))
+    if connection.vendor == "postgresql":
+        sql = _APPEND_SQL.format(task_table=AgentTask._meta.db_table, event_table=TaskEvent._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, {"now": timezone.now(), "task_id": task_id, "token": claim_token, "kind": kind,
+                                 "turn": turn, "tool_name": tool_name, "payload": json.dumps(payload),
+                                 "full_output": full_output, "ts": ts})
+            row = cursor.fetchone()
+        if row is None:
+            raise ClaimLost(f"task {task_id} is no longer claimed by this worker")
+        seq, attempt = row
+    else:
+        with transaction.atomic():
+            task = AgentTask.objects.select_for_update().filter(pk=task_id, claim_token=claim_token,
+                                                                status=AgentTask.Status.RUNNING).first()
+            if task is None:
+                raise ClaimLost(f"task {task_id} is no longer claimed by this worker")
+            task.last_seq += 1
+            task.heartbeat_at = timezone.now()
+            task.save(update_fields=["last_seq", "heartbeat_at"])
+            seq, attempt = task.last_seq, max(task.attempt, 1)
+            TaskEvent.objects.create(task=task, seq=seq, kind=kind, turn=turn, attempt=attempt, tool_name=tool_name,
+                                     payload=payload, full_output=full_output, ts=ts)
+    _publish_event_on_commit(task_id=task_id, wire=event_wire(seq=seq, kind=kind, turn=turn, ts=ts, attempt=attempt,
+                                                              payload=payload, has_full_output=bool(full_output)))
+    return seq
+
+
+def task_heartbeat(*, task_id: int, claim_token: uuid.UUID) -> bool:
+    return bool(AgentTask.objects.filter(pk=task_id, claim_token=claim_token, status=AgentTask.Status.RUNNING)
+                .update(heartbeat_at=timezone.now()))
+
+
+def _task_finish_row(task: AgentTask, *, status: str, reason: str) -> None:
+    task.status = status
+    task.status_reason = reason
+    task.finished_at = timezone.now()
+    task.claim_token = None
+    task.save(update_fields=["status", "status_reason", "finished_at", "claim_token"])
+    _publish_status_on_commit(task)
+
+
+@transaction.atomic
+def task_finish(*, task_id: int, claim_token: uuid.UUID, result) -> AgentTask | None:
+    """Store the outcome of a run (an ``AgentResult``) if this worker still holds the claim."""
+    task = AgentTask.objects.select_for_update().filter(pk=task_id, claim_token=claim_token).first()
+    if task is None:
+        return None
+    task.final_message = result.final_message
+    task.diff = result.diff
+    task.messages = result.messages
+    task.turns = result.turns
+    task.prompt_tokens = result.prompt_tokens
+    task.completion_tokens = result.completion_tokens
+    task.save(update_fields=["final_message", "diff", "messages", "turns", "prompt_tokens", "completion_tokens"])
+    _task_finish_row(task, status=result.status, reason=result.reason)
+    return task
+
+
+@transaction.atomic
+def task_fail(*, task_id: int, claim_token: uuid.UUID | None, reason: str) -> None:
+    """Mark a task failed with ``reason`` (infrastructure failure before or around the agent)."""
+    query = AgentTask.objects.select_for_update().filter(pk=task_id)
+    if claim_token is not None:
+        query = query.filter(claim_token=claim_token)
+    task = query.first()
+    if task is None or task.is_finished:
+        return
+    _event_insert(task, kind="error", turn=0, payload={"message": reason, "infrastructure": True})
+    task.save(update_fields=["last_seq"])
+    _task_finish_row(task, status=AgentTask.Status.FAILED, reason=reason)
+
+
+def _policy_for(task: AgentTask):
+    from training.agent.demo_repo import demo_expert_policy
+    from training.agent.policy import OpenAIChatPolicy
+    from webapp.accounts.services import api_token_get_or_create
+
+    if task.backend == AgentTask.Backend.SCRIPTED:
+        return demo_expert_policy(step_delay_s=float(task.policy_options.get("step_delay_s", 0)))
+    if task.backend == AgentTask.Backend.BUILTIN:
+        return OpenAIChatPolicy(task.base_url, task.model_name, api_token_get_or_create(user=task.owner),
+                                seed=task.policy_options.get("seed"))
+    return OpenAIChatPolicy(task.base_url, task.model_name, task.api_key or settings.OPENAI_API_KEY or "",
+                            seed=task.policy_options.get("seed"))
+
+
+def task_run(*, task_id: int) -> str:
+    """Claim the task, run the agent in a fresh sandbox, store every event and the outcome.
+
+    Returns a short note for the Celery result. Errors of the sandbox or policy server end the
+    task as ``failed`` with the reason; nothing is left ``running`` unless this process dies, in
+    which case ``task_claim`` on another worker takes over once the heartbeat goes stale.
+    """
+    from sandboxes import get_backend
+    from sandboxes.base import RepoSource, SandboxError, SandboxLimits
+    from training.agent.loop import AgentStopped, run_agent
+
+    claimed = task_claim(task_id=task_id)
+    if claimed is None:
+        return "skipped: finished, cancelled or running elsewhere"
+    task, token = claimed
+    limits = AgentLimits.from_dict(task.limits)
+
+    stop_heartbeat = threading.Event()
+
+    def beat() -> None:
+        while not stop_heartbeat.wait(settings.AGENT_HEARTBEAT_S):
+            try:
+                if not task_heartbeat(task_id=task_id, claim_token=token):
+                    return
+            except Exception:
+                logger.exception("heartbeat of task %s failed", task_id)
+            finally:
+                from django.db import connection
+
+                connection.close()
+
+    heartbeat = threading.Thread(target=beat, name=f"heartbeat-task-{task_id}", daemon=True)
+    heartbeat.start()
+    sandbox = None
+    try:
+        try:
+            policy = _policy_for(task)
+            backend = get_backend(settings.SANDBOX_BACKEND)
+            snapshot = backend.snapshot_create(source=RepoSource(kind=task.repo_kind, location=task.repo_location,
+                                                                 ref=task.repo_ref or None))
+            sandbox = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(
+                lifetime_s=limits.wall_time_s + 300, command_timeout_s=min(120.0, limits.wall_time_s)))
+        except (SandboxError, ValueError, OSError) as exc:
+            task_fail(task_id=task_id, claim_token=token, reason=f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
+            return "failed: sandbox"
+
+        def on_event(event: dict) -> None:
+            try:
+                task_event_append(task_id=task_id, claim_token=token, event=event)
+            except ClaimLost as exc:
+                raise AgentStopped(str(exc)) from exc
+
+        def should_stop() -> str | None:
+            current = AgentTask.objects.filter(pk=task_id).values_list("cancel_requested", flat=True).first()
+            return "cancelled by the user" if current else None
+
+        result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
+                           should_stop=should_stop, first_seq=task.last_seq + 1)
+        finished = task_finish(task_id=task_id, claim_token=token, result=result)
+        return f"{result.status}: {result.reason}" if finished else "claim lost to another worker"
+    except Exception as exc:
+        logger.exception("task %s crashed", task_id)
+        task_fail(task_id=task_id, claim_token=token, reason=f"internal error: {type(exc).__name__}: {exc}")
+        return "failed: internal error"
+    finally:
+        stop_heartbeat.set()
+        if sandbox is not None:
+            try:
+                sandbox.destroy()
+            except Exception:
+                logger.exception("could not destroy the sandbox of task %s", task_id)
+
+
+def tasks_recover_stale(*, include_queued: bool) -> int:
+    """Re-enqueue running tasks whose worker went silent and, with ``include_queued``, queued tasks
+    older than a minute whose message may have been lost (a broker restart).
+
+    Workers call it at start (``include_queued=True``) and then periodically (running tasks only,
+    so a long queue is not flooded with copies). ``task_claim`` decides per task whether to retry or
+    fail it and skips tasks that are alive, so an extra message never starts a second agent.
+    """
+    from webapp.agents.tasks import agent_task_run
+
+    now = timezone.now()
+    stale = AgentTask.objects.filter(status=AgentTask.Status.RUNNING,
+                                     heartbeat_at__lt=now - timedelta(seconds=settings.AGENT_STALE_AFTER_S))
+    waiting = AgentTask.objects.filter(status=AgentTask.Status.QUEUED, created_at__lt=now - timedelta(seconds=60))
+    ids = list(stale.values_list("pk", flat=True))
+    if include_queued:
+        ids += list(waiting.values_list("pk", flat=True))
+    for task_id in ids:
+        agent_task_run.delay(task_id)
+    return len(ids)
+
+
+# --- RL rollouts ---------------------------------------------------------------------------
+
+@transaction.atomic
+def rollout_record(
+    *,
+    owner,
+    result,
+    prompt: str,
+    experiment_name: str,
+    repo_label: str,
+    model_name: str,
+    training_step: int | None = None,
+    reward: float | None = None,
+    advantage: float | None = None,
+    team=None,
+) -> AgentTask:
+    """Store a finished RL rollout so it appears in the trace browser next to product tasks.
+
+    How to record one (training side)::
+
+        result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits)
+        reward = score_rollout(sandbox=sandbox, task=task)
+        rollout_record(owner=experiment.owner, team=experiment.team, result=result, prompt=task.prompt,
+                       experiment_name=experiment.name, repo_label=f"toy-{seed}", model_name=checkpoint_name,
+                       training_step=step, reward=reward.value, advantage=advantage)
+
+    ``result.events`` (the loop's events, full tool outputs included) are stored as ``TaskEvent``
+    rows exactly like a live task's. Rollouts that stopped on an infrastructure error should be
+    recorded with ``reward=None``, never as a zero reward.
+    """
+    if not experiment_name:
+        raise ValidationError({"experiment_name": "a rollout must name its experiment"})
+    status = result.status if result.status in AgentTask.Status.values else AgentTask.Status.FAILED
+    now = timezone.now()
+    task = AgentTask.objects.create(
+        owner=owner, team=team, source=AgentTask.Source.TRAINING, repo_kind=Repository.Kind.PATH,
+        repo_location="", repo_label=repo_label[:200], prompt=prompt, backend=AgentTask.Backend.BUILTIN,
+        model_name=model_name[:200], status=status, status_reason=result.reason, attempt=1,
+        started_at=now - timedelta(seconds=result.duration_s), finished_at=now, final_message=result.final_message,
+        diff=result.diff, messages=result.messages, turns=result.turns, prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens, experiment_name=experiment_name[:200],
+        training_step=training_step, reward=reward, advantage=advantage,
+    )
+    rows = []
+    for seq, event in enumerate(result.events):
+        payload = dict(event.get("payload", {}))
+        full_output = payload.pop("output", "") if event["kind"] == "tool_result" else ""
+        if full_output and len(payload.get("display") or "") > DISPLAY_CHARS:
+            payload["display"] = payload["display"][:DISPLAY_CHARS]
+        if event["kind"] == "tool_result":
+            payload["output_chars"] = len(full_output)
+        rows.append(TaskEvent(
+            task=task, seq=seq, kind=event["kind"], turn=event.get("turn", 0), attempt=1,
+            tool_name=(payload.get("name") or "")[:50] if event["kind"] in ("tool_call", "tool_result") else "",
+            payload=payload, full_output=full_output or "", ts=event.get("ts") or now.timestamp(),
+        ))
+    TaskEvent.objects.bulk_create(rows, batch_size=500)
+    task.last_seq = len(rows) - 1
+    task.save(update_fields=["last_seq"])
+    return task

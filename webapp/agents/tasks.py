@@ -1,0 +1,56 @@
+"""Celery entry points of the agents app: parse, call one service, return its note."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery import shared_task
+from celery.signals import worker_ready, worker_shutdown
+
+logger = logging.getLogger(__name__)
+_stop_sweeping = threading.Event()
+
+
+@shared_task(name="agents.task_run", acks_late=True, reject_on_worker_lost=True)
+def agent_task_run(task_id: int) -> str:
+    from webapp.agents.services import task_run
+
+    return task_run(task_id=int(task_id))
+
+
+def _sweep_once(*, include_queued: bool) -> None:
+    from django.db import connection
+
+    from webapp.agents.services import tasks_recover_stale
+
+    try:
+        count = tasks_recover_stale(include_queued=include_queued)
+        if count:
+            logger.warning("re-enqueued %d agent task(s) left behind by a stopped worker", count)
+    except Exception:
+        logger.exception("could not look for stale agent tasks")
+    finally:
+        connection.close()
+
+
+def _sweep_forever(interval_s: float) -> None:
+    while not _stop_sweeping.wait(interval_s):
+        _sweep_once(include_queued=False)
+
+
+@worker_ready.connect
+def _recover_stale_tasks(**_kwargs) -> None:
+    # A worker that starts after a crash picks up what the dead one left behind at once; while it
+    # runs it keeps looking, so a worker that dies while others live is noticed too. Duplicate
+    # messages from several sweeping workers are harmless: task_claim lets only one agent run.
+    from django.conf import settings
+
+    _sweep_once(include_queued=True)
+    threading.Thread(target=_sweep_forever, args=(settings.AGENT_STALE_AFTER_S,), name="agent-task-sweeper",
+                     daemon=True).start()
+
+
+@worker_shutdown.connect
+def _stop_sweeper(**_kwargs) -> None:
+    _stop_sweeping.set()
