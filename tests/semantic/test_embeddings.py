@@ -11,17 +11,25 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from training.embeddings.evaluation import (
+    HELD_OUT_STDLIB_MODULES,
     RetrievalQuery,
     bm25_ranker,
     keyword_ranker,
     retrieval_metrics,
     retrieval_set_build,
+    stdlib_directory,
 )
-from training.embeddings.finetune import EmbeddingFinetuneConfig, batches_without_duplicates
+from training.embeddings.finetune import (
+    EmbeddingFinetuneConfig,
+    batches_without_duplicates,
+    default_excluded_paths,
+    default_source_roots,
+)
 from training.embeddings.mining import (
     TrainingPair,
     docstring_summary,
     iter_functions,
+    iter_python_files,
     mine_pairs,
     split_identifier,
     strip_docstrings,
@@ -111,6 +119,19 @@ def test_batches_never_hold_two_pairs_of_one_function():
     assert batches and all(len(batch) == 4 for batch in batches)
     assert all(len({pair.group for pair in batch}) == 4 for batch in batches)
     assert sum(len(batch) for batch in batches) == 40
+
+
+def test_default_mining_covers_the_stdlib_but_never_the_held_out_modules():
+    roots = [Path(root) for root in default_source_roots()]
+    stdlib = stdlib_directory()
+    assert stdlib in roots
+    mined = {path.resolve() for path in iter_python_files(roots, excluded=[Path(p) for p in default_excluded_paths()])}
+    held_out = {(stdlib / module).resolve() for module in HELD_OUT_STDLIB_MODULES}
+    assert len(held_out) == len(HELD_OUT_STDLIB_MODULES) and all(path.is_file() for path in held_out)
+    assert not mined & held_out
+    # the rest of the standard library is mined (e.g. json/scanner.py beside the held-out json/decoder.py)
+    assert (stdlib / "json" / "scanner.py").resolve() in mined
+    assert not any((stdlib / "site-packages") in path.parents for path in mined)
 
 
 def test_retrieval_set_hides_docstrings_and_metrics_count_ranks():

@@ -22,8 +22,9 @@ from sandboxes.semantic.chunking import Chunk, chunk_file
 from sandboxes.semantic.config import ChunkingConfig
 from training.embeddings.mining import docstring_summary, iter_functions, strip_docstrings
 
-# Stdlib modules used only for evaluation. None of them is under the third-party roots that
-# ``train_embeddings`` mines, so the fine-tuned encoder never saw this code or these docstrings.
+# Stdlib modules used only for evaluation. ``train_embeddings`` mines the rest of the standard library
+# but excludes these files (finetune.default_excluded_paths), so the fine-tuned encoder never saw this
+# code or these docstrings.
 HELD_OUT_STDLIB_MODULES = (
     "argparse.py", "calendar.py", "configparser.py", "csv.py", "difflib.py", "fractions.py", "ftplib.py",
     "gettext.py", "heapq.py", "imaplib.py", "ipaddress.py", "mailbox.py", "netrc.py", "pathlib.py",

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sandboxes.semantic.config import default_encoder_path
+from training.embeddings.evaluation import HELD_OUT_STDLIB_MODULES, stdlib_directory
 from training.embeddings.mining import PAIR_KINDS, TrainingPair, mine_pairs
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,22 @@ FINETUNE_METADATA = "flowstate_finetune.json"
 
 
 def default_source_roots() -> tuple[str, ...]:
-    """Third-party packages installed next to the platform: code on this machine, none of it stdlib."""
+    """Third-party packages installed next to the platform, and the interpreter's standard library.
+
+    The standard library's held-out evaluation modules are left out by ``default_excluded_paths``.
+    """
     site_packages = Path(sysconfig.get_paths()["purelib"])
     names = ("django", "celery", "kombu", "click", "rich", "requests", "jinja2", "rest_framework", "httpx")
-    return tuple(str(site_packages / name) for name in names if (site_packages / name).is_dir())
+    third_party = tuple(str(site_packages / name) for name in names if (site_packages / name).is_dir())
+    return (*third_party, str(stdlib_directory()))
+
+
+def default_excluded_paths() -> tuple[str, ...]:
+    """Never mined: the retrieval benchmark's held-out stdlib modules, and packages installed inside
+    the standard library's directory (pyenv and Debian put site-/dist-packages there)."""
+    stdlib = stdlib_directory()
+    held_out = tuple(str(stdlib / module) for module in HELD_OUT_STDLIB_MODULES)
+    return (*held_out, str(stdlib / "site-packages"), str(stdlib / "dist-packages"))
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,8 @@ class EmbeddingFinetuneConfig:
     """Model directory to start from (the bundled all-MiniLM-L6-v2 by default)."""
     source_roots: tuple[str, ...] = field(default_factory=default_source_roots)
     """Directories whose Python files are mined for pairs."""
+    excluded_paths: tuple[str, ...] = field(default_factory=default_excluded_paths)
+    """Files or directories under the roots that are never mined (the held-out evaluation code)."""
     max_pairs: int = 3000
     """Training pairs mined; one epoch over them is the whole run."""
     kind_fractions: tuple[tuple[str, float], ...] = (
@@ -161,6 +176,7 @@ def embeddings_finetune(
         max_pairs=config.max_pairs,
         seed=config.seed,
         kind_fractions=dict(config.kind_fractions),
+        excluded=[Path(path) for path in config.excluded_paths],
     )
     if len(pairs) < config.batch_size:
         raise ValueError(

@@ -12,6 +12,13 @@ from torch import nn
 from kernels.moe_experts import grouped_swiglu
 from training.model.config import ModelConfig
 
+# A generation step with few tokens computes every expert for every token instead of dispatching:
+# up to this many (token, expert) rows the matmuls are bound by reading the expert weights, which both
+# ways read once, while the sort / gather / per-expert loop / index_add of dispatch cost more than the
+# extra rows. Only in generation (no autograd, no router losses) and for fp32/bf16; training always
+# dispatches.
+DENSE_DECODE_MAX_ROWS = 64
+
 
 @dataclass
 class RouterOutput:
@@ -85,6 +92,15 @@ class MoEFeedForward(nn.Module):
                 total = total.clamp_min(torch.finfo(total.dtype).tiny)
             weights = weights / total
 
+        if (
+            not compute_losses
+            and not torch.is_grad_enabled()
+            and self.config.precision in ("fp32", "bf16")
+            and 0 < n_tokens * n_experts <= DENSE_DECODE_MAX_ROWS
+        ):
+            zero = router_logits.new_zeros(())
+            return self._all_experts(x, weights, expert_indices), RouterOutput(expert_indices, zero, zero)
+
         sorted_experts, order = expert_indices.reshape(-1).sort(stable=True)
         source_tokens = order // top_k
         offsets = torch.searchsorted(sorted_experts, self.expert_boundaries, out_int32=True)
@@ -97,6 +113,28 @@ class MoEFeedForward(nn.Module):
         if not compute_losses:
             zero = router_logits.new_zeros(())
             return out, RouterOutput(expert_indices, zero, zero)
+        return out, self._router_losses(router_logits, router_probs, offsets, expert_indices)
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_indices: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, combined with the top-k weights (zero for unrouted experts)."""
+        n_tokens, n_experts = x.shape[0], self.config.n_experts
+        compute_dtype = torch.float32 if self.config.precision == "fp32" else torch.bfloat16
+        rows = x.to(compute_dtype).unsqueeze(0).expand(n_experts, n_tokens, x.shape[1])
+        gate = torch.bmm(rows, self.w_gate.to(compute_dtype))
+        up = torch.bmm(rows, self.w_up.to(compute_dtype))
+        expert_out = torch.bmm(F.silu(gate) * up, self.w_down.to(compute_dtype)).to(x.dtype)
+        dense_weights = torch.zeros(n_tokens, n_experts, dtype=x.dtype, device=x.device)
+        dense_weights.scatter_(1, expert_indices, weights.to(x.dtype))
+        return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
+
+    def _router_losses(
+        self,
+        router_logits: torch.Tensor,
+        router_probs: torch.Tensor,
+        offsets: torch.Tensor,
+        expert_indices: torch.Tensor,
+    ) -> RouterOutput:
+        n_tokens, n_experts, top_k = router_logits.shape[0], self.config.n_experts, self.config.top_k
         tokens_per_expert = offsets.diff()
         assignment_fraction = tokens_per_expert.float() / max(n_tokens * top_k, 1)
         mean_probability = router_probs.mean(dim=0) if n_tokens else router_probs.new_zeros(n_experts)
@@ -106,7 +144,7 @@ class MoEFeedForward(nn.Module):
             if n_tokens
             else router_logits.new_zeros(())
         )
-        return out, RouterOutput(expert_indices, load_balancing_loss, router_z_loss)
+        return RouterOutput(expert_indices, load_balancing_loss, router_z_loss)
 
 
 class DenseFeedForward(nn.Module):

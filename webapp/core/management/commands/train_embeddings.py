@@ -23,7 +23,13 @@ class Command(BaseCommand):
         parser.add_argument("--base", default=None, help="Model directory to start from (default: bundled MiniLM).")
         parser.add_argument(
             "--source", action="append", default=None,
-            help="Directory of Python code to mine; repeat for several (default: installed third-party packages).",
+            help="Directory of Python code to mine; repeat for several (default: installed third-party packages "
+            "and the standard library).",
+        )
+        parser.add_argument(
+            "--exclude", action="append", default=None,
+            help="File or directory never mined; repeat for several (default: the retrieval benchmark's "
+            "held-out stdlib modules and the stdlib's site-packages).",
         )
         parser.add_argument("--max-pairs", type=int, default=3000)
         parser.add_argument("--batch-size", type=int, default=32)
@@ -36,6 +42,8 @@ class Command(BaseCommand):
         overrides = {}
         if options["base"]:
             overrides["base_encoder"] = options["base"]
+        if options["exclude"]:
+            overrides["excluded_paths"] = tuple(options["exclude"])
         try:
             config = EmbeddingFinetuneConfig(
                 output_dir=Path(options["output"]),
