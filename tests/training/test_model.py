@@ -120,6 +120,7 @@ def test_generation_all_experts_path_equals_dispatch(precision):
     layer.reset_parameters(std=0.05, output_std=0.05)
     x = torch.randn(8, config.d_model)
     assert x.shape[0] * config.n_experts <= moe.DENSE_DECODE_MAX_ROWS
+    assert config.n_experts <= moe.DENSE_DECODE_MAX_FLOPS_FACTOR * config.top_k
     with torch.inference_mode():
         dispatched, routed = layer(x)  # router losses requested: always the dispatch path
         dense, dense_routed = layer(x, compute_losses=False)
