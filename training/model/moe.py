@@ -116,7 +116,16 @@ class MoEFeedForward(nn.Module):
         if not compute_losses:
             zero = router_logits.new_zeros(())
             return out, RouterOutput(expert_indices, zero, zero)
-        return out, self._router_losses(router_logits, router_probs, offsets, expert_indices)
+        tokens_per_expert = offsets.diff()
+        assignment_fraction = tokens_per_expert.float() / max(n_tokens * top_k, 1)
+        mean_probability = router_probs.mean(dim=0) if n_tokens else router_probs.new_zeros(n_experts)
+        load_balancing_loss = n_experts * (assignment_fraction * mean_probability).sum()
+        router_z_loss = (
+            torch.logsumexp(router_logits, dim=-1).square().mean()
+            if n_tokens
+            else router_logits.new_zeros(())
+        )
+        return out, RouterOutput(expert_indices, load_balancing_loss, router_z_loss)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_indices: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with the top-k weights (zero for unrouted experts)."""
@@ -129,25 +138,6 @@ class MoEFeedForward(nn.Module):
         dense_weights = torch.zeros(n_tokens, n_experts, dtype=x.dtype, device=x.device)
         dense_weights.scatter_(1, expert_indices, weights.to(x.dtype))
         return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
-
-    def _router_losses(
-        self,
-        router_logits: torch.Tensor,
-        router_probs: torch.Tensor,
-        offsets: torch.Tensor,
-        expert_indices: torch.Tensor,
-    ) -> RouterOutput:
-        n_tokens, n_experts, top_k = router_logits.shape[0], self.config.n_experts, self.config.top_k
-        tokens_per_expert = offsets.diff()
-        assignment_fraction = tokens_per_expert.float() / max(n_tokens * top_k, 1)
-        mean_probability = router_probs.mean(dim=0) if n_tokens else router_probs.new_zeros(n_experts)
-        load_balancing_loss = n_experts * (assignment_fraction * mean_probability).sum()
-        router_z_loss = (
-            torch.logsumexp(router_logits, dim=-1).square().mean()
-            if n_tokens
-            else router_logits.new_zeros(())
-        )
-        return RouterOutput(expert_indices, load_balancing_loss, router_z_loss)
 
 
 class DenseFeedForward(nn.Module):
