@@ -12,6 +12,7 @@ so the encoder is trained on what it will see at query time:
 from __future__ import annotations
 
 import ast
+import os
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -239,16 +240,33 @@ def function_pairs(function: FunctionSource, rng: random.Random) -> list[Trainin
     return pairs
 
 
+_SKIPPED_DIRECTORIES = frozenset({"tests", "test", "testing", "__pycache__", "migrations"})
+
+
 def iter_python_files(roots: Iterable[Path], *, excluded: Iterable[Path] = ()) -> Iterator[Path]:
-    excluded_resolved = [path.resolve() for path in excluded]
+    """``*.py`` files under each root in sorted order, skipping test/migration directories and
+    anything under ``excluded``. Excluded and skipped directories are pruned before the walk enters
+    them (the stdlib root holds a site-packages of ~10k files that would otherwise be walked)."""
+    excluded_resolved = frozenset(path.resolve() for path in excluded)
+
+    def is_excluded(resolved: Path) -> bool:
+        return resolved in excluded_resolved or any(parent in excluded_resolved for parent in resolved.parents)
+
     for root in roots:
-        for path in sorted(Path(root).rglob("*.py")):
-            resolved = path.resolve()
-            if any(resolved == ex or ex in resolved.parents for ex in excluded_resolved):
-                continue
-            if any(part in ("tests", "test", "testing", "__pycache__", "migrations") for part in path.parts):
-                continue
-            yield path
+        root = Path(root)
+        if _SKIPPED_DIRECTORIES.intersection(root.parts) or is_excluded(root.resolve()):
+            continue
+        found = []
+        for directory, subdirectories, files in os.walk(root):
+            subdirectories[:] = [
+                name
+                for name in subdirectories
+                if name not in _SKIPPED_DIRECTORIES and Path(directory, name).resolve() not in excluded_resolved
+            ]
+            found.extend(Path(directory, name) for name in files if name.endswith(".py"))
+        for path in sorted(found):
+            if not is_excluded(path.resolve()):
+                yield path
 
 
 def mine_pairs(
