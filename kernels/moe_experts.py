@@ -208,6 +208,23 @@ class MXFP8GroupedSwiGLU(torch.autograd.Function):
         return grad_x, None, grad_w_gate, grad_w_up, grad_w_down, None, None
 
 
+# The unquantized precisions and the dtype their GEMMs run in.
+_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def swiglu_every_expert(x, w_gate, w_up, w_down, *, precision: str) -> torch.Tensor:
+    """Every expert on every row, without dispatch: [E, T, d_model] in x's dtype (fp32/bf16 only).
+
+    For tiny generation batches, where the sort / gather / per-expert loop of ``grouped_swiglu`` cost
+    more than the extra rows; the caller mixes the E outputs with its top-k weights.
+    """
+    compute_dtype = _COMPUTE_DTYPES[precision]
+    rows = x.to(compute_dtype).unsqueeze(0).expand(w_gate.shape[0], *x.shape)
+    gate = torch.bmm(rows, w_gate.to(compute_dtype))
+    up = torch.bmm(rows, w_up.to(compute_dtype))
+    return torch.bmm(F.silu(gate) * up, w_down.to(compute_dtype)).to(x.dtype)
+
+
 def _grouped_swiglu_dense(x, offsets, w_gate, w_up, w_down, compute_dtype: torch.dtype) -> torch.Tensor:
     bounds = offsets.tolist()
     pieces = []
@@ -264,10 +281,8 @@ def grouped_swiglu(
     """
     config = GroupedSwiGLUConfig(precision=precision, scale_mode=scale_mode, backend=backend)
     _check_shapes(x, offsets, w_gate, w_up, w_down, config.precision)
-    if config.precision == "fp32":
-        return _grouped_swiglu_dense(x, offsets, w_gate, w_up, w_down, torch.float32)
-    if config.precision == "bf16":
-        return _grouped_swiglu_dense(x, offsets, w_gate, w_up, w_down, torch.bfloat16)
+    if config.precision in _COMPUTE_DTYPES:
+        return _grouped_swiglu_dense(x, offsets, w_gate, w_up, w_down, _COMPUTE_DTYPES[config.precision])
     ops = mxfp8_ops(config.resolved_backend(x.device))
     return MXFP8GroupedSwiGLU.apply(
         x, offsets.to(torch.int32), w_gate, w_up, w_down, ops, config.scale_mode

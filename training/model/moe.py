@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe_experts import grouped_swiglu
+from kernels.moe_experts import grouped_swiglu, swiglu_every_expert
 from training.model.config import ModelConfig
 
 # A generation step with few tokens may compute every expert for every token instead of dispatching:
@@ -129,13 +129,8 @@ class MoEFeedForward(nn.Module):
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_indices: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with the top-k weights (zero for unrouted experts)."""
-        n_tokens, n_experts = x.shape[0], self.config.n_experts
-        compute_dtype = torch.float32 if self.config.precision == "fp32" else torch.bfloat16
-        rows = x.to(compute_dtype).unsqueeze(0).expand(n_experts, n_tokens, x.shape[1])
-        gate = torch.bmm(rows, self.w_gate.to(compute_dtype))
-        up = torch.bmm(rows, self.w_up.to(compute_dtype))
-        expert_out = torch.bmm(F.silu(gate) * up, self.w_down.to(compute_dtype)).to(x.dtype)
-        dense_weights = torch.zeros(n_tokens, n_experts, dtype=x.dtype, device=x.device)
+        expert_out = swiglu_every_expert(x, self.w_gate, self.w_up, self.w_down, precision=self.config.precision)
+        dense_weights = torch.zeros(x.shape[0], self.config.n_experts, dtype=x.dtype, device=x.device)
         dense_weights.scatter_(1, expert_indices, weights.to(x.dtype))
         return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
 
