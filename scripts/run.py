@@ -165,7 +165,10 @@ def main() -> int:
         )
         web = Child(
             "asgi server",
-            [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", HOST, "--port", str(PORT)],
+            # No per-message deflate: it compresses every live event once per viewer (measured: +30 ms
+            # p99 at 500 viewers of one task, BENCHMARKS.md "Cloud agents").
+            [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", HOST, "--port", str(PORT),
+             "--ws-per-message-deflate", "false"],
         )
         for child in (worker, fleet, web):
             child.start(env)
