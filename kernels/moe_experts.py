@@ -225,7 +225,21 @@ def swiglu_every_expert(x, w_gate, w_up, w_down, *, precision: str) -> torch.Ten
     return torch.bmm(F.silu(gate) * up, w_down.to(compute_dtype)).to(x.dtype)
 
 
+def _grouped_mm_usable(*tensors: torch.Tensor) -> bool:
+    # torch._grouped_mm runs every group in one call (no Python loop); its CPU backward fails on
+    # empty groups in torch 2.13, so it serves only passes that build no autograd graph.
+    return hasattr(torch, "_grouped_mm") and not (
+        torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    )
+
+
 def _grouped_swiglu_dense(x, offsets, w_gate, w_up, w_down, compute_dtype: torch.dtype) -> torch.Tensor:
+    if _grouped_mm_usable(x, w_gate, w_up, w_down):
+        rows = x.to(compute_dtype)
+        ends = offsets[1:].to(torch.int32)
+        gate = torch._grouped_mm(rows, w_gate.to(compute_dtype), offs=ends)
+        up = torch._grouped_mm(rows, w_up.to(compute_dtype), offs=ends)
+        return torch._grouped_mm(F.silu(gate) * up, w_down.to(compute_dtype), offs=ends).to(x.dtype)
     bounds = offsets.tolist()
     pieces = []
     for expert in range(w_gate.shape[0]):

@@ -135,6 +135,22 @@ def test_bf16_input_under_autocast_keeps_fp32_gemm_numerics():
     assert under_autocast[2].dtype == torch.float32
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("sizes", [(30, 0, 50, 20), (0, 0, 7, 0), (0, 0, 0, 0)])
+def test_inference_without_autograd_equals_the_training_path(precision, sizes):
+    # Without an autograd graph the experts run as one grouped GEMM call; it must give what the
+    # differentiable per-expert path gives, empty experts and an empty batch included.
+    x, w_gate, w_up, w_down, _ = make_layer(sum(sizes), seed=3)
+    offsets = offsets_of(*sizes)
+    with torch.no_grad():
+        inference = grouped_swiglu(x, offsets, w_gate, w_up, w_down, precision=precision)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    training = grouped_swiglu(leaves[0], offsets, *leaves[1:], precision=precision).detach()
+    assert inference.shape == training.shape == x.shape
+    tolerance = {"fp32": (1e-5, 1e-6), "bf16": (1.6e-2, 1e-2)}[precision]
+    torch.testing.assert_close(inference, training, rtol=tolerance[0], atol=tolerance[1])
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "mxfp8"])
 def test_no_tokens_at_all(precision):
     x, w_gate, w_up, w_down, _ = make_layer(0)
