@@ -72,10 +72,10 @@ def free_port() -> int:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    # The same server options as scripts/run.py (no per-message deflate).
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning", "--ws-per-message-deflate", "false"],
-                            cwd=ROOT, env=dict(os.environ))
+    from webapp.server_command import asgi_server_command
+
+    proc = subprocess.Popen(asgi_server_command(host="127.0.0.1", port=port, log_level="warning"), cwd=ROOT,
+                            env=dict(os.environ))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

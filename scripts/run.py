@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from webapp.server_command import asgi_server_command
+
 VENV_BIN = Path(sys.executable).parent
 STATE_DIR = Path(os.environ.get("FLOWSTATE_STATE_DIR", ROOT / "var"))
 HOST = os.environ.get("FLOWSTATE_HOST", "127.0.0.1")
@@ -165,10 +169,7 @@ def main() -> int:
         )
         web = Child(
             "asgi server",
-            # No per-message deflate: it compresses every live event once per viewer (measured: +30 ms
-            # p99 at 500 viewers of one task, BENCHMARKS.md "Cloud agents").
-            [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", HOST, "--port", str(PORT),
-             "--ws-per-message-deflate", "false"],
+            asgi_server_command(host=HOST, port=PORT),
         )
         for child in (worker, fleet, web):
             child.start(env)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from webapp.server_command import asgi_server_command
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -114,7 +116,7 @@ def asgi_server(transactional_db):
     """The real ASGI application (HTTP + websockets) in a uvicorn child process."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        asgi_server_command(host="127.0.0.1", port=port, log_level="warning"),
         cwd=ROOT,
         env=_test_database_env(),
     )
