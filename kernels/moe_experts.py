@@ -225,10 +225,14 @@ def swiglu_every_expert(x, w_gate, w_up, w_down, *, precision: str) -> torch.Ten
     return torch.bmm(F.silu(gate) * up, w_down.to(compute_dtype)).to(x.dtype)
 
 
+# torch._grouped_mm runs every group in one call (no Python loop); its CPU backward fails on empty
+# groups in torch 2.13, so it serves only passes that build no autograd graph. A module switch so that
+# benchmarks/bench_expert_paths.py can measure both paths in one process.
+USE_GROUPED_MM_WITHOUT_AUTOGRAD = True
+
+
 def _grouped_mm_usable(*tensors: torch.Tensor) -> bool:
-    # torch._grouped_mm runs every group in one call (no Python loop); its CPU backward fails on
-    # empty groups in torch 2.13, so it serves only passes that build no autograd graph.
-    return hasattr(torch, "_grouped_mm") and not (
+    return USE_GROUPED_MM_WITHOUT_AUTOGRAD and hasattr(torch, "_grouped_mm") and not (
         torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
     )
 
