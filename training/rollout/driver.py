@@ -89,8 +89,9 @@ class AsyncRLConfig:
     """Generation-engine actors; rollout workers are spread over them round-robin."""
     max_turns: int = 4
     """Tool-calling turns per rollout."""
-    max_tokens_per_turn: int = 64
-    """Completion tokens per model call."""
+    max_tokens_per_turn: int = 256
+    """Completion tokens per model call. The toy tier's fixing edit (message + edit_file call) takes
+    up to ~200 tokens of the default tokenizer (99 median), so a lower cap makes tasks unsolvable."""
     context_tokens: int = 4096
     """Context the agent loop may fill; must fit the model's max_seq_len."""
     temperature: float = 1.0

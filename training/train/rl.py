@@ -93,8 +93,8 @@ class RLConfig:
     max_turns: int = 6
     """Tool-calling turns per rollout."""
 
-    max_tokens_per_turn: int = 128
-    """Completion tokens per model call."""
+    max_tokens_per_turn: int = 256
+    """Completion tokens per model call (the toy tier's fixing edit takes up to ~200 tokens)."""
 
     rollout_wall_time_s: float = 600.0
     """Wall-clock limit of one rollout."""
