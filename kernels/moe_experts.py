@@ -232,7 +232,7 @@ USE_GROUPED_MM_WITHOUT_AUTOGRAD = True
 
 
 def _grouped_mm_usable(*tensors: torch.Tensor) -> bool:
-    return USE_GROUPED_MM_WITHOUT_AUTOGRAD and hasattr(torch, "_grouped_mm") and not (
+    return USE_GROUPED_MM_WITHOUT_AUTOGRAD and not (
         torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
     )
 
