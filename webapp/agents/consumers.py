@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
-from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.http import Http404
@@ -31,6 +30,7 @@ from webapp.agents.selectors import (
     task_get,
     task_group_name,
 )
+from webapp.core.consumers import DirectDispatchMixin
 
 BACKLOG_PAGE = 500
 
@@ -55,7 +55,7 @@ def _status(task) -> dict:
     return {"type": "status", "status": task.status, "reason": task.status_reason, "last_seq": task.last_seq}
 
 
-class TaskEventsConsumer(AsyncWebsocketConsumer):
+class TaskEventsConsumer(DirectDispatchMixin, AsyncWebsocketConsumer):
     channel_layer_alias = LIVE_CHANNEL_LAYER
 
     async def connect(self):
@@ -79,16 +79,6 @@ class TaskEventsConsumer(AsyncWebsocketConsumer):
         await self._send_backlog()
         await self.send(text_data=json.dumps(await _status(self.task)))
         await self.send(text_data=json.dumps({"type": "backlog_done", "last_seq": self.last_sent}))
-
-    async def dispatch(self, message):
-        # Channels' default dispatch runs close_old_connections() through sync_to_async before every
-        # message: one hop onto the single thread-sensitive worker thread per viewer per event, so
-        # 500 viewers of one task queued 500 hops behind each other for every event. Every database
-        # access here goes through database_sync_to_async, which closes stale connections itself.
-        handler = getattr(self, get_handler_name(message), None)
-        if handler is None:
-            raise ValueError(f"No handler for message type {message['type']}")
-        await handler(message)
 
     async def disconnect(self, code):
         if getattr(self, "group", None):

@@ -7,6 +7,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.http import Http404
 
 from webapp.agents.selectors import LIVE_CHANNEL_LAYER
+from webapp.core.consumers import DirectDispatchMixin
 from webapp.experiments.selectors import experiment_get, experiment_group_name, experiment_steps
 
 
@@ -26,7 +27,7 @@ def _snapshot(user, pk: int) -> dict | None:
     }
 
 
-class ExperimentConsumer(AsyncJsonWebsocketConsumer):
+class ExperimentConsumer(DirectDispatchMixin, AsyncJsonWebsocketConsumer):
     """Anonymous users get 4401, users who may not see the experiment 4404 (same as a missing one).
 
     Updates travel on the pub/sub layer: a viewer that was away gets everything from the snapshot.

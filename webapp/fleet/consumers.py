@@ -1,11 +1,12 @@
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from webapp.core.consumers import DirectDispatchMixin
 from webapp.fleet.events import FLEET_GROUP
 from webapp.fleet.selectors import fleet_overview
 
 
-class FleetConsumer(AsyncJsonWebsocketConsumer):
+class FleetConsumer(DirectDispatchMixin, AsyncJsonWebsocketConsumer):
     """Live fleet stream for any signed-in user: an overview on connect, then one event per heartbeat.
 
     Anonymous connections are closed with 4401. Events carry host utilisation and sandbox states
