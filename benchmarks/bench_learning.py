@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--max-turns", type=int, default=4)
-    parser.add_argument("--max-tokens-per-turn", type=int, default=256)
+    parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lr", type=float, default=1e-5)
     args = parser.parse_args()

@@ -25,7 +25,7 @@ class Command(BaseCommand):
         parser.add_argument("--micro-batch-size", type=int, default=1)
         parser.add_argument("--temperature", type=float, default=1.0)
         parser.add_argument("--max-turns", type=int, default=6)
-        parser.add_argument("--max-tokens-per-turn", type=int, default=256)
+        parser.add_argument("--max-tokens-per-turn", type=int, default=RLConfig.max_tokens_per_turn)
         parser.add_argument("--no-routing-replay", action="store_true")
         parser.add_argument("--partial-credit", action="store_true")
         parser.add_argument("--sandbox-backend", default=None)
