@@ -5,7 +5,9 @@ Layout (one turn per message):
     <|im_start|>system
     {system text}
     <|tools|>
-    {one JSON tool schema per line}
+    // {tool description}
+    //   {parameter}: {parameter description}
+    {name}({parameter}: {type}, {optional parameter}?: {type})
     <|/tools|><|im_end|>
     <|im_start|>user
     {text}<|im_end|>
@@ -15,6 +17,11 @@ Layout (one turn per message):
     <|/tool_calls|><|im_end|>
     <|im_start|>tool
     {tool output}<|im_end|>
+
+Tool schemas are shown as TypeScript-like signatures (as in OpenAI's Harmony format) rather than as
+JSON: the nine sandbox tools take 1.1k tokens this way against 2.3k as JSON with the 2048-token BPE,
+which halves the prefix every training sequence and every rollout pays for. The model still writes
+its calls as JSON objects; the server validates arguments against the full schema.
 
 Tool results follow the assistant turn in call order, which is how they are paired with calls, so the
 model never spends tokens on call ids; the parser assigns fresh ids. Generation stops at <|/tool_calls|>
@@ -212,16 +219,59 @@ def _text_content(content: Any, index: int) -> str:
 
 
 def _tools_pieces(tools: Sequence[dict[str, Any]], *, after_text: bool) -> list[str]:
-    lines = []
+    blocks = []
     for index, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ChatFormatError(
                 f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ...}}}}."
             )
-        lines.append(json.dumps(function, ensure_ascii=False, separators=(",", ":"), sort_keys=True))
+        blocks.append(_tool_signature(function))
     lead = ("\n" if after_text else "") + DEFAULT_TOOL_INSTRUCTIONS + "\n"
-    return [lead, _Special(TOOLS_START), "\n" + "\n".join(lines) + "\n", _Special(TOOLS_END)]
+    return [lead, _Special(TOOLS_START), "\n" + "\n".join(blocks) + "\n", _Special(TOOLS_END)]
+
+
+def _tool_signature(function: dict[str, Any]) -> str:
+    """`// description`, one `//   name: description` line per described parameter, then `name(args)`."""
+    parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    lines = []
+    description = function.get("description")
+    if isinstance(description, str) and description.strip():
+        lines += [f"// {line}" for line in description.strip().splitlines()]
+    for name, schema in properties.items():
+        if isinstance(schema, dict) and isinstance(schema.get("description"), str):
+            lines.append(f"//   {name}: {' '.join(schema['description'].split())}")
+    lines.append(f"{function['name']}({_fields(properties, parameters.get('required'))})")
+    return "\n".join(lines)
+
+
+def _fields(properties: dict[str, Any], required: Any) -> str:
+    required = set(required) if isinstance(required, list) else set()
+    return ", ".join(
+        f"{name}{'' if name in required else '?'}: {_type_expression(schema)}" for name, schema in properties.items()
+    )
+
+
+def _type_expression(schema: Any) -> str:
+    """A JSON schema as a TypeScript-like type; constructs it cannot express become `any`."""
+    if not isinstance(schema, dict):
+        return "any"
+    if isinstance(schema.get("enum"), list):
+        return "|".join(json.dumps(value, ensure_ascii=False) for value in schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return "|".join(_type_expression(option) for option in schema[key])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return "|".join(str(option) for option in kind) or "any"
+    if kind == "array":
+        item = _type_expression(schema.get("items"))
+        union = "|" in item and not (item.startswith("{") and item.endswith("}"))
+        return f"({item})[]" if union else f"{item}[]"
+    if kind == "object" and isinstance(schema.get("properties"), dict):
+        return "{" + _fields(schema["properties"], schema.get("required")) + "}"
+    return kind if isinstance(kind, str) else "any"
 
 
 def _tool_call_pieces(message: dict[str, Any], index: int) -> list[str]:

@@ -64,7 +64,7 @@ def test_conversation_renders_every_role_in_order_with_tools_in_system_turn():
     ]
     text = render_messages(messages, TOOLS)
     assert text.startswith("<|im_start|>system\nYou are a coding agent.\n")
-    assert '"name":"read_file"' in text and "<|tools|>" in text and "<|/tools|>" in text
+    assert "read_file(path: string)" in text and "<|tools|>" in text and "<|/tools|>" in text
     order = [
         text.index(s)
         for s in ("<|im_start|>user\nFix the bug", "<|tool_calls|>", "print('a')", "\nhi<|im_end|>")
@@ -157,3 +157,56 @@ def test_encode_messages_matches_plain_encoding_and_keeps_lookalikes_as_text():
     assert specials == [tokenizer.turn_start_id, tokenizer.turn_end_id, tokenizer.turn_start_id]
     completion = encode_assistant_completion(tokenizer, ASSISTANT_WITH_CALLS)
     assert tokenizer.decode(completion) == render_assistant_completion(ASSISTANT_WITH_CALLS)
+
+
+def test_tool_schemas_render_as_signatures_with_their_descriptions():
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "plan",
+            "description": "Write a plan.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "steps": {
+                        "type": "array",
+                        "description": "The steps.",
+                        "items": {
+                            "type": "object",
+                            "properties": {"text": {"type": "string"}, "state": {"enum": ["todo", "done"]}},
+                            "required": ["text"],
+                        },
+                    },
+                    "limit": {"type": ["integer", "null"]},
+                    "mode": {"anyOf": [{"type": "string"}, {"type": "boolean"}]},
+                    "extra": {"not": {}},
+                },
+                "required": ["steps"],
+            },
+        },
+    }
+    text = render_messages([{"role": "user", "content": "hi"}], [schema])
+    block = text[text.index("<|tools|>") + len("<|tools|>") : text.index("<|/tools|>")]
+    assert block.strip().splitlines() == [
+        "// Write a plan.",
+        "//   steps: The steps.",
+        'plan(steps: {text: string, state?: "todo"|"done"}[], limit?: integer|null, mode?: string|boolean, extra?: any)',
+    ]
+
+
+def test_tool_without_description_or_parameters_renders_a_bare_signature():
+    text = render_messages([], [{"type": "function", "function": {"name": "ping"}}])
+    assert "<|tools|>\nping()\n<|/tools|>" in text
+
+
+def test_sandbox_tool_preamble_is_compact():
+    """The tool block is what every rollout and training sequence pays for; keep it near 1.1k tokens."""
+    from sandboxes.tools import openai_tool_schemas
+
+    tokenizer = default_tokenizer(2048)
+    ids = encode_messages(tokenizer, [{"role": "system", "content": ""}], openai_tool_schemas(), add_generation_prompt=False)
+    json_ids = tokenizer.encode("\n".join(json.dumps(tool["function"]) for tool in openai_tool_schemas()))
+    assert len(ids) < 0.6 * len(json_ids)
+    text = render_messages([], openai_tool_schemas())
+    for name in ("read_file(path: string", "edit_file(path: string, old_str: string, new_str: string)", "run_terminal("):
+        assert name in text

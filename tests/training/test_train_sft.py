@@ -67,6 +67,26 @@ def test_loss_mask_covers_exactly_the_assistant_completions(expert_run, tokenize
     assert tokenizer.decode(batch.targets[0][target_positions].tolist()) == expected
 
 
+def test_context_loss_adds_user_and_tool_text_but_never_the_system_turn(expert_run, tokenizer):
+    task, trajectory = expert_run
+    tools = openai_tool_schemas()
+    plain = tokenize_trajectory(messages=trajectory.messages, tools=tools, tokenizer=tokenizer)
+    example = tokenize_trajectory(messages=trajectory.messages, tools=tools, tokenizer=tokenizer, context_loss=True)
+    assert example.token_ids == plain.token_ids
+    trained = tokenizer.decode([t for t, keep in zip(example.token_ids, example.trainable, strict=True) if keep])
+    untrained = tokenizer.decode([t for t, keep in zip(example.token_ids, example.trainable, strict=True) if not keep])
+    system = render_messages(trajectory.messages[:1], tools, add_generation_prompt=False)
+    assert trajectory.messages[0]["role"] == "system" and untrained.startswith(system)
+    assert "read_file(path: string" in untrained and "read_file(path: string" not in trained
+    assert task.prompt in trained  # the bug report, with its package name twice
+    assert "OK" in trained  # the test run's output
+    for message in trajectory.messages:
+        if message["role"] == "assistant":
+            assert render_assistant_completion(message) in trained
+    # Besides the system turn only the newline closing the final assistant turn stays untrained.
+    assert untrained == system + "\n"
+
+
 def test_jsonl_source_and_config_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

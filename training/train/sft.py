@@ -71,7 +71,13 @@ class SFTConfig:
 
     max_seq_len: int = 4096
     """Longest training sequence in tokens (longer trajectories are truncated); a fresh model is built
-    with this max_seq_len. The system prompt with all tool schemas alone is ~2.4k tokens."""
+    with this max_seq_len. The system prompt with all tool schemas alone is ~1.3k tokens."""
+
+    context_loss: bool = False
+    """Also train next-token prediction on the user and tool messages (never on the system prompt with
+    the tool block, which is the same in every trajectory). A bug report names its package twice and
+    tool outputs repeat paths and source lines, so this gives a from-scratch model many examples of
+    copying from its context per trajectory, where the assistant turns alone hold a handful."""
 
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=100, batch_size=4, micro_batch_size=2))
     """Steps, batch sizes, optimizer, checkpointing."""
@@ -92,9 +98,14 @@ class SFTConfig:
 
 
 def tokenize_trajectory(
-    *, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], tokenizer: BPETokenizer
+    *,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]],
+    tokenizer: BPETokenizer,
+    context_loss: bool = False,
 ) -> TokenizedExample:
-    """Render with the chat template; assistant completions are trainable, the rest is context.
+    """Render with the chat template; assistant completions are trainable, the rest is context
+    (with `context_loss`, user and tool messages are trainable too; the system turn never is).
 
     Each piece is tokenized separately at its template boundary, which is exactly how the model
     meets it at inference: the prompt (ending in the generation prompt) is encoded, then the
@@ -109,6 +120,16 @@ def tokenize_trajectory(
         token_ids.extend(ids)
         trainable.extend([train] * len(ids))
 
+    def append_context(text: str) -> None:
+        nonlocal rendered
+        if not rendered and context_loss:
+            has_system = bool(messages) and messages[0].get("role") == "system"
+            system = render_messages(messages[:1] if has_system else [], tools, add_generation_prompt=False)
+            if text.startswith(system):
+                append(system, False)
+                text = text[len(system) :]
+        append(text, context_loss)
+
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
@@ -116,7 +137,7 @@ def tokenize_trajectory(
         if not prompt.startswith(rendered):
             raise ValueError(f"Message {index}: the chat template is not prefix-stable for this trajectory.")
         completion = render_assistant_completion(message)
-        append(prompt[len(rendered) :], False)
+        append_context(prompt[len(rendered) :])
         append(completion, True)
         rendered = prompt + completion
     full = render_messages(messages, tools, add_generation_prompt=False)
@@ -205,7 +226,10 @@ def sft(
     # 2. Trajectories -> token ids with an assistant-only loss mask.
     trajectories = trajectories if trajectories is not None else collect_trajectories(config)
     tools = openai_tool_schemas()
-    examples = [tokenize_trajectory(messages=messages, tools=tools, tokenizer=tokenizer) for messages in trajectories]
+    examples = [
+        tokenize_trajectory(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=config.context_loss)
+        for messages in trajectories
+    ]
     data = MaskedExamples(
         examples=examples, pad_id=tokenizer.pad_id, max_seq_len=config.max_seq_len, seed=config.loop.seed
     )

@@ -22,6 +22,11 @@ class Command(BaseCommand):
         parser.add_argument("--expert-seed-start", type=int, default=0)
         parser.add_argument("--sandbox-backend", default=None, help="Sandbox backend for the expert.")
         parser.add_argument("--max-seq-len", type=int, default=4096)
+        parser.add_argument(
+            "--context-loss",
+            action="store_true",
+            help="Also train on user and tool messages (teaches a fresh model to copy from its context).",
+        )
 
     def handle(self, *args, **options):
         context = init_distributed()
@@ -37,6 +42,7 @@ class Command(BaseCommand):
                 expert_seed_start=options["expert_seed_start"],
                 sandbox_backend=options["sandbox_backend"],
                 max_seq_len=options["max_seq_len"],
+                context_loss=options["context_loss"],
                 loop=loop_config_from_options(options, world_size=context.world_size),
             )
             result = sft(config, context=context, on_step=print_step(self.stdout.write) if context.is_main else None)
