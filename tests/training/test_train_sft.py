@@ -136,3 +136,22 @@ def test_sft_command_learns_recorded_expert_rollouts_from_database(expert_run, o
     checkpoint = run_dir / "checkpoints" / "step-00000014"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["run_config"]["trajectories"] == 1
+
+
+def test_expert_trajectories_command_writes_sft_jsonl_and_resumes(tmp_path):
+    output = tmp_path / "expert.jsonl"
+    call_command("expert_trajectories", count=1, output=str(output), sandbox_backend="local")
+    call_command("expert_trajectories", count=2, output=str(output), sandbox_backend="local")
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["task_id"] for record in records] == ["toy-0", "toy-1"]  # the first one is not redone
+    assert load_jsonl_trajectories(output) == [record["messages"] for record in records]
+    assert records[1]["messages"][1]["content"] == generate_toy_task(1).prompt
+
+
+def test_expert_trajectories_command_rejects_a_foreign_file(tmp_path):
+    from django.core.management.base import CommandError
+
+    output = tmp_path / "notes.jsonl"
+    output.write_text("not json\n")
+    with pytest.raises(CommandError, match="is not a trajectory line"):
+        call_command("expert_trajectories", count=1, output=str(output), sandbox_backend="local")
