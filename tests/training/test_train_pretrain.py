@@ -49,3 +49,40 @@ def test_config_errors_say_how_to_fix(tmp_path, tokenizer_file):
         PretrainConfig(run_dir=str(tmp_path), init_checkpoint="x", tokenizer=tokenizer_file)
     with pytest.raises(TrainConfigError, match="multiple of 4"):
         LoopConfig(batch_size=6, micro_batch_size=4).validate_for(DistributedContext(world_size=1))
+
+
+def test_induction_windows_hold_only_copies_an_induction_head_can_predict():
+    import torch
+
+    from training.train.data import IGNORE_INDEX, InductionSequences
+
+    data = InductionSequences(vocab_size=2048, first_token_id=8, seq_len=256, seed=3)
+    batch = data.batch(start=0, size=4)
+    assert batch.input_ids.shape == batch.targets.shape == (4, 256)
+    assert int(batch.input_ids.min()) >= 8  # never a special token
+    assert torch.equal(data.batch(start=2, size=2).targets, batch.targets[2:])  # a pure function of the index
+    assert not torch.equal(InductionSequences(vocab_size=2048, first_token_id=8, seq_len=256, seed=4).batch(
+        start=0, size=4).input_ids, batch.input_ids)
+    for row in range(4):
+        tokens = batch.input_ids[row].tolist()
+        trained = [t for t in range(256) if batch.targets[row, t] != IGNORE_INDEX]
+        assert len(trained) > 40  # a dense copy signal
+        for t in trained:
+            # The current token occurred earlier, followed by exactly the target.
+            target = int(batch.targets[row, t])
+            earlier = [j for j in range(t) if tokens[j] == tokens[t] and (tokens + [None])[j + 1] == target]
+            assert earlier, f"row {row} position {t} is not a copy"
+
+
+def test_induction_warm_up_config_errors(tmp_path, tokenizer_file):
+    with pytest.raises(TrainConfigError, match="choose 'code'"):
+        PretrainConfig(run_dir=str(tmp_path), data="random")
+    with pytest.raises(TrainConfigError, match="at least 64"):
+        PretrainConfig(run_dir=str(tmp_path), data="induction", seq_len=32)
+
+
+def test_induction_warm_up_trains_through_the_pretraining_loop(tmp_path, tokenizer_file):
+    result = pretrain(PretrainConfig(run_dir=str(tmp_path / "run"), tokenizer=tokenizer_file, data="induction",
+                                     seq_len=64, loop=_loop(3)))
+    assert len(result.history) == 3 and result.final_checkpoint.is_dir()
+    assert result.history[0]["tokens"] < 4 * 64  # the loss covers the repeated runs only

@@ -30,8 +30,8 @@ from typing import Any
 from training.checkpoint import load_checkpoint
 from training.corpus import CorpusConfig, iter_documents
 from training.model.config import ModelConfig
-from training.tokenizer import BPETokenizer, default_tokenizer, load_tokenizer
-from training.train.data import PackedTokenWindows
+from training.tokenizer import SPECIAL_TOKENS, BPETokenizer, default_tokenizer, load_tokenizer
+from training.train.data import InductionSequences, PackedTokenWindows
 from training.train.distributed import DistributedContext
 from training.train.loop import LoopConfig, TrainConfigError, TrainResult, train_supervised
 
@@ -58,6 +58,10 @@ class PretrainConfig:
     include_stdlib: bool = True
     """Read this interpreter's standard library sources."""
 
+    data: str = "code"
+    """"code": the corpus above; "induction": synthetic copy windows (training.train.data.InductionSequences),
+    the warm-up that gives a fresh model induction heads before SFT on agent trajectories."""
+
     corpus_max_bytes: int | None = 2_000_000
     """Cap on corpus text (None reads everything)."""
 
@@ -78,6 +82,10 @@ class PretrainConfig:
             )
         if self.seq_len < 8:
             raise TrainConfigError(f"seq_len={self.seq_len} is too short to learn from; use at least 8.")
+        if self.data not in ("code", "induction"):
+            raise TrainConfigError(f"data={self.data!r}: choose 'code' (the corpus) or 'induction' (synthetic copies).")
+        if self.data == "induction" and self.seq_len < 64:
+            raise TrainConfigError(f"seq_len={self.seq_len} is too short for induction copy blocks; use at least 64.")
 
 
 def pretrain(
@@ -104,17 +112,16 @@ def pretrain(
             f"seq_len={config.seq_len} exceeds the model's max_seq_len={model_config.max_seq_len}; lower seq_len."
         )
 
-    # 2. Data: tokenized corpus cut into windows, indexed by a global sample counter.
-    corpus = CorpusConfig(
-        extra_dirs=config.extra_dirs, include_stdlib=config.include_stdlib, max_bytes=config.corpus_max_bytes
-    )
-    texts = [document.text for document in iter_documents(corpus)]
-    data = PackedTokenWindows(
-        documents=tokenizer.encode_batch(texts),
-        separator_id=tokenizer.end_of_text_id,
-        seq_len=config.seq_len,
-        seed=config.loop.seed,
-    )
+    # 2. Data: tokenized corpus cut into windows (or synthetic copy windows), indexed by a global sample counter.
+    if config.data == "induction":
+        data = InductionSequences(
+            vocab_size=tokenizer.vocab_size,
+            first_token_id=1 + max(tokenizer.token_id(token) for token in SPECIAL_TOKENS),  # no specials
+            seq_len=config.seq_len,
+            seed=config.loop.seed,
+        )
+    else:
+        data = _corpus_windows(config, tokenizer)
 
     # 3. Train (resuming when run_dir already holds a checkpoint).
     return train_supervised(
@@ -127,6 +134,19 @@ def pretrain(
         initial_weights=initial_weights,
         tokenizer=tokenizer,
         on_step=on_step,
+    )
+
+
+def _corpus_windows(config: PretrainConfig, tokenizer: BPETokenizer) -> PackedTokenWindows:
+    corpus = CorpusConfig(
+        extra_dirs=config.extra_dirs, include_stdlib=config.include_stdlib, max_bytes=config.corpus_max_bytes
+    )
+    texts = [document.text for document in iter_documents(corpus)]
+    return PackedTokenWindows(
+        documents=tokenizer.encode_batch(texts),
+        separator_id=tokenizer.end_of_text_id,
+        seq_len=config.seq_len,
+        seed=config.loop.seed,
     )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ class SFTConfig:
 
     max_seq_len: int = 4096
     """Longest training sequence in tokens (longer trajectories are truncated); a fresh model is built
-    with this max_seq_len. The system prompt with all tool schemas alone is ~1.3k tokens."""
+    with this max_seq_len and a checkpoint with a shorter one is extended to it. The system prompt with all tool schemas alone is ~1.3k tokens."""
 
     context_loss: bool = False
     """Also train next-token prediction on the user and tool messages (never on the system prompt with
@@ -209,7 +209,8 @@ def sft(
     initial_weights = None
     if config.init_checkpoint is not None:
         source_model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
-        model_config = source_model.config
+        # Rotary positions carry no weights, so a checkpoint with a shorter context is extended to max_seq_len.
+        model_config = replace(source_model.config, max_seq_len=max(source_model.config.max_seq_len, config.max_seq_len))
         source_state = source_model.state_dict()
 
         def initial_weights(model) -> None:

@@ -20,6 +20,12 @@ class Command(BaseCommand):
         parser.add_argument("--no-stdlib", action="store_true", help="Leave the stdlib out of the corpus.")
         parser.add_argument("--corpus-max-bytes", type=int, default=2_000_000)
         parser.add_argument("--seq-len", type=int, default=256)
+        parser.add_argument(
+            "--data",
+            choices=("code", "induction"),
+            default="code",
+            help="code: the corpus; induction: synthetic copy windows (warm-up for a fresh model before SFT).",
+        )
 
     def handle(self, *args, **options):
         context = init_distributed()
@@ -34,6 +40,7 @@ class Command(BaseCommand):
                 include_stdlib=not options["no_stdlib"],
                 corpus_max_bytes=options["corpus_max_bytes"],
                 seq_len=options["seq_len"],
+                data=options["data"],
                 loop=loop_config_from_options(options, world_size=context.world_size),
             )
             result = pretrain(config, context=context, on_step=print_step(self.stdout.write) if context.is_main else None)
