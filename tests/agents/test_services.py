@@ -201,6 +201,31 @@ def test_rollout_record_and_sft_trajectories(owner, teammate, outsider, local_sa
         selectors.trajectories_for_sft(limit=0)
 
 
+def test_rollout_with_nul_characters_is_stored_not_lost(owner, local_sandbox):
+    """A random checkpoint can emit a NUL byte; PostgreSQL text/jsonb reject it, which once failed the
+    experiment monitor's ingest and stalled the run."""
+    import dataclasses
+
+    from training.agent.config import AgentLimits
+    from training.agent.loop import run_agent
+
+    result = run_agent(sandbox=local_sandbox, policy=demo_expert_policy(), prompt=DEMO_PROMPT, limits=AgentLimits())
+    events = [dict(event, payload=dict(event.get("payload", {}))) for event in result.events]
+    tool_result = next(event for event in events if event["kind"] == "tool_result")
+    tool_result["payload"]["output"] = "binary\x00output"
+    result = dataclasses.replace(
+        result, final_message="done\x00", messages=[*result.messages, {"role": "assistant", "content": "a\x00b"}],
+        events=events, reason="ok\x00",
+    )
+    rollout = services.rollout_record(owner=owner, result=result, prompt="fix\x00it", experiment_name="grpo-toy",
+                                      repo_label="toy-9", model_name="m", reward=0.0)
+    rollout.refresh_from_db()
+    assert rollout.prompt == "fix\ufffdit" and rollout.final_message == "done\ufffd"
+    assert rollout.messages[-1]["content"] == "a\ufffdb"
+    assert rollout.events.get(seq=events.index(tool_result)).full_output == "binary\ufffdoutput"
+    assert services.storable_text({"k\x00": ["\x00", 3, None]}) == {"k\ufffd": ["\ufffd", 3, None]}
+
+
 def test_event_rows_are_unique_per_sequence(owner, demo_repository):
     from django.db import IntegrityError, transaction
 

@@ -28,7 +28,9 @@ def test_pause_and_resume_through_a_real_celery_worker(owner, celery_worker_proc
     checkpoint = str(create_random_checkpoint(tmp_path / "policy", "tiny", seed=0, max_seq_len=4096))
     config = {
         "init_checkpoint": checkpoint,
-        "steps": 3,
+        # Enough steps that the pause, sent after the first checkpoint, lands before the end even when
+        # rollouts are quick (8-token turns on a random model take well under a second).
+        "steps": 12,
         "tasks": 2,
         "group_size": 2,
         "groups_per_step": 1,
@@ -43,14 +45,14 @@ def test_pause_and_resume_through_a_real_celery_worker(owner, celery_worker_proc
     services.experiment_pause(experiment=Experiment.objects.get(pk=experiment.pk))
     _wait(lambda: Experiment.objects.get(pk=experiment.pk).status == "paused", 180, "the pause")
     paused_at = checkpointed_version(experiment.run_dir)
-    assert paused_at < 3, "the run finished before the pause landed"
+    assert paused_at < 12, "the run finished before the pause landed"
 
     services.experiment_resume(experiment=Experiment.objects.get(pk=experiment.pk))
     _wait(lambda: Experiment.objects.get(pk=experiment.pk).status == "finished", 300, "the resumed run")
     experiment.refresh_from_db()
-    assert experiment.launches == 2 and experiment.current_step == 3
+    assert experiment.launches == 2 and experiment.current_step == 12
     ids = list(ExperimentRollout.objects.filter(experiment=experiment).values_list("rollout_id", flat=True))
-    assert len(ids) == len(set(ids)) == 6
+    assert len(ids) == len(set(ids)) == 24
 
 
 def test_benchmark_run_through_a_real_celery_worker(owner, celery_worker_process):

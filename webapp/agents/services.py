@@ -422,9 +422,25 @@ def task_claim(*, task_id: int) -> tuple[AgentTask, uuid.UUID] | None:
     return task, task.claim_token
 
 
+def storable_text(value):
+    """`value` with NUL characters replaced by U+FFFD, through dicts and lists.
+
+    PostgreSQL text and jsonb cannot hold NUL, and model output (a random or early checkpoint emits
+    any byte) or a tool's output (a binary file) may contain it; storing it raw would fail the whole
+    rollout or event write and lose it.
+    """
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {storable_text(key): storable_text(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable_text(item) for item in value]
+    return value
+
+
 def _event_fields(kind: str, payload: dict) -> tuple[dict, str, str]:
     """Split a loop event payload into (stored payload with truncated display, full output, tool name)."""
-    payload = dict(payload)
+    payload = storable_text(dict(payload))
     full_output = ""
     if kind == "tool_result":
         full_output = payload.pop("output", "") or ""
@@ -523,9 +539,9 @@ def task_finish(*, task_id: int, claim_token: uuid.UUID, result) -> AgentTask | 
     task = AgentTask.objects.select_for_update().filter(pk=task_id, claim_token=claim_token).first()
     if task is None:
         return None
-    task.final_message = result.final_message
-    task.diff = result.diff
-    task.messages = result.messages
+    task.final_message = storable_text(result.final_message)
+    task.diff = storable_text(result.diff)
+    task.messages = storable_text(result.messages)
     task.turns = result.turns
     task.prompt_tokens = result.prompt_tokens
     task.completion_tokens = result.completion_tokens
@@ -693,16 +709,17 @@ def rollout_record(
     now = timezone.now()
     task = AgentTask.objects.create(
         owner=owner, team=team, source=AgentTask.Source.TRAINING, repo_kind=Repository.Kind.PATH,
-        repo_location="", repo_label=repo_label[:200], prompt=prompt, backend=AgentTask.Backend.BUILTIN,
-        model_name=model_name[:200], status=status, status_reason=result.reason, attempt=1,
-        started_at=now - timedelta(seconds=result.duration_s), finished_at=now, final_message=result.final_message,
-        diff=result.diff, messages=result.messages, turns=result.turns, prompt_tokens=result.prompt_tokens,
+        repo_location="", repo_label=repo_label[:200], prompt=storable_text(prompt), backend=AgentTask.Backend.BUILTIN,
+        model_name=model_name[:200], status=status, status_reason=storable_text(result.reason), attempt=1,
+        started_at=now - timedelta(seconds=result.duration_s), finished_at=now,
+        final_message=storable_text(result.final_message), diff=storable_text(result.diff),
+        messages=storable_text(result.messages), turns=result.turns, prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens, experiment_name=experiment_name[:200],
         training_step=training_step, reward=reward, advantage=advantage,
     )
     rows = []
     for seq, event in enumerate(result.events):
-        payload = dict(event.get("payload", {}))
+        payload = storable_text(dict(event.get("payload", {})))
         full_output = payload.pop("output", "") if event["kind"] == "tool_result" else ""
         if full_output and len(payload.get("display") or "") > DISPLAY_CHARS:
             payload["display"] = payload["display"][:DISPLAY_CHARS]
