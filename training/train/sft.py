@@ -121,7 +121,6 @@ def tokenize_trajectory(
         trainable.extend([train] * len(ids))
 
     def append_context(text: str) -> None:
-        nonlocal rendered
         if not rendered and context_loss:
             has_system = bool(messages) and messages[0].get("role") == "system"
             system = render_messages(messages[:1] if has_system else [], tools, add_generation_prompt=False)
