@@ -687,7 +687,9 @@ def run_async_rl(
                         "reward": record.reward,
                         "passed": record.passed,
                         "status": record.status,
-                        "advantage": float(advantages[records.index(record)]),
+                        # records follow the groups in this order; list.index would compare records
+                        # field by field and fail on their tensors once two agree up to those.
+                        "advantage": float(advantages[len(rollout_rows)]),
                         "completion_tokens": record.completion_tokens,
                         "turns": record.turns,
                         "policy_version": sample.policy_version,
