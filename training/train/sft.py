@@ -218,11 +218,6 @@ def sft(
         # Rotary positions carry no weights, so a fresh model is simply built for the SFT length.
         model_config = ModelConfig.named(config.model, max_seq_len=config.max_seq_len)
         tokenizer = default_tokenizer(model_config.vocab_size)
-    if config.max_seq_len > model_config.max_seq_len:
-        raise TrainConfigError(
-            f"max_seq_len={config.max_seq_len} exceeds the model's {model_config.max_seq_len}; lower it."
-        )
-
     # 2. Trajectories -> token ids with an assistant-only loss mask.
     trajectories = trajectories if trajectories is not None else collect_trajectories(config)
     tools = openai_tool_schemas()
