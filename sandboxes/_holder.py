@@ -298,6 +298,7 @@ def serve_one(cfg):
     os.close(control_r)
     answer = None
     pid1 = None
+    ready = False
     with os.fdopen(status_r, "rb") as status:
         for raw in status:
             line = raw.decode().strip()
@@ -310,12 +311,16 @@ def serve_one(cfg):
                     os.write(control_w, b"X\n")
             elif line.startswith("P"):
                 pid1 = int(line[1:])
-            elif line == "R" and answer is None:
-                answer = f"OK {pid1}"
+            elif line == "R":
+                ready = True
             elif line.startswith("E") and answer is None:
                 answer = line
     os.close(control_w)
     os.waitpid(child, 0)
+    # "P" and "R" come from two processes (the forking child and the new pid 1) on one pipe: under
+    # load pid 1 can report ready before its parent reports its pid, so answer only after both.
+    if answer is None and ready and pid1 is not None:
+        answer = f"OK {pid1}"
     return answer or "Esandbox init exited during setup"
 
 
