@@ -274,6 +274,32 @@ def write_id_maps(pid, cfg):
             handle.write(cfg[name])
 
 
+def fold_status(lines, on_user_namespace):
+    """The backend's answer from one sandbox's status lines (read until every writer closed the pipe).
+
+    ``P`` and ``R`` come from two processes (the forking child and the new pid 1) on one pipe, so
+    under load ``R`` can arrive first: the answer waits for both. The first error wins.
+    """
+    error = None
+    pid1 = None
+    ready = False
+    for line in lines:
+        if line == "U":
+            failure = on_user_namespace()
+            error = error or failure
+        elif line.startswith("P"):
+            pid1 = int(line[1:])
+        elif line == "R":
+            ready = True
+        elif line.startswith("E"):
+            error = error or line
+    if error is not None:
+        return error
+    if ready and pid1 is not None:
+        return f"OK {pid1}"
+    return "Esandbox init exited during setup"
+
+
 def serve_one(cfg):
     """Fork one sandbox and return the answer line for the backend: ``OK <pid>`` or ``E<message>``."""
     status_r, status_w = os.pipe()
@@ -296,32 +322,21 @@ def serve_one(cfg):
         os._exit(1)
     os.close(status_w)
     os.close(control_r)
-    answer = None
-    pid1 = None
-    ready = False
+
+    def write_maps():
+        try:
+            write_id_maps(child, cfg)
+        except OSError as exc:
+            os.write(control_w, b"X\n")
+            return f"Ewriting uid/gid maps failed: {exc}"
+        os.write(control_w, b"M\n")
+        return None
+
     with os.fdopen(status_r, "rb") as status:
-        for raw in status:
-            line = raw.decode().strip()
-            if line == "U":
-                try:
-                    write_id_maps(child, cfg)
-                    os.write(control_w, b"M\n")
-                except OSError as exc:
-                    answer = f"Ewriting uid/gid maps failed: {exc}"
-                    os.write(control_w, b"X\n")
-            elif line.startswith("P"):
-                pid1 = int(line[1:])
-            elif line == "R":
-                ready = True
-            elif line.startswith("E") and answer is None:
-                answer = line
+        answer = fold_status((raw.decode().strip() for raw in status), on_user_namespace=write_maps)
     os.close(control_w)
     os.waitpid(child, 0)
-    # "P" and "R" come from two processes (the forking child and the new pid 1) on one pipe: under
-    # load pid 1 can report ready before its parent reports its pid, so answer only after both.
-    if answer is None and ready and pid1 is not None:
-        answer = f"OK {pid1}"
-    return answer or "Esandbox init exited during setup"
+    return answer
 
 
 def factory():

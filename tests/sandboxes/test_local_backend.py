@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import get_backend
+from sandboxes import _holder, get_backend
 from sandboxes.base import BackendUnavailable, RepoSource, SandboxLimits
 from sandboxes.local_backend import LocalBackend, LocalBackendConfig
 from tests.sandboxes.conftest import TEST_LIMITS
@@ -300,3 +300,21 @@ def test_a_forked_child_gets_its_own_factory_and_pool(state_root, repo):
     assert parent_box.exec("echo still").stdout == "still\n"
     parent_box.destroy()
     backend.close()
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [["U", "P4242", "R"], ["U", "R", "P4242"]],
+    ids=["pid-first", "ready-first"],
+)
+def test_holder_answers_with_the_pid_whichever_status_line_arrives_first(lines):
+    # Under load the new pid 1 can report "R" before its parent reports its pid; the answer used to
+    # be "OK None" then, and the backend failed with a ValueError instead of returning the sandbox.
+    assert _holder.fold_status(lines, on_user_namespace=lambda: None) == "OK 4242"
+
+
+def test_holder_reports_the_first_setup_error_over_a_later_ready():
+    answer = _holder.fold_status(["U", "P7", "R"], on_user_namespace=lambda: "Ewriting uid/gid maps failed: x")
+    assert answer == "Ewriting uid/gid maps failed: x"
+    assert _holder.fold_status(["U", "P7", "Emount failed"], on_user_namespace=lambda: None) == "Emount failed"
+    assert _holder.fold_status(["U"], on_user_namespace=lambda: None) == "Esandbox init exited during setup"
