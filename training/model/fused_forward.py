@@ -155,14 +155,17 @@ class _Step:
 
     batch: int
     length: int
-    positions: torch.Tensor
-    """int64 [B, T]."""
+    visible: int
+    """Cache positions every row attends over (the longest row after this forward)."""
     cache_index: torch.Tensor
     """int64 [B * T, kv_heads]: where each new key/value row goes in a layer's cache viewed as [-1, head_dim]."""
-    slot_range: tuple[int, int] | None
-    """(first slot, count) when the slots are consecutive: the cache is then read through views."""
-    slots: torch.Tensor
-    visible: int
+    slots: torch.Tensor | None
+    """int64 [B] cache slots, only when they are not consecutive (the cache is then gathered per layer)."""
+    layer_keys: Sequence[torch.Tensor] | None
+    """Per layer [B * kv_heads, head_dim, visible]: views of the cached keys, transposed for the scores,
+    when the slots are consecutive."""
+    layer_values: Sequence[torch.Tensor] | None
+    """Per layer [B * kv_heads, visible, head_dim] views, when the slots are consecutive."""
     mask: torch.Tensor
     """[B * kv_heads, groups * T, visible] additive attention mask (0 or -inf)."""
     cos: torch.Tensor
@@ -178,11 +181,14 @@ class FusedForward:
         self.model = model
         self.config = config
         self.groups = config.n_heads // config.n_kv_heads
-        self.rope_width = (config.n_heads + config.n_kv_heads) * config.head_dim
-        self.value_end = self.rope_width + config.n_kv_heads * config.head_dim
+        # heads of the fused QKV projection: Q and K (to be rotated), V, rotate_half(Q) and rotate_half(K)
+        self.projection_heads = (
+            config.n_heads + config.n_kv_heads,
+            config.n_kv_heads,
+            config.n_heads + config.n_kv_heads,
+        )
         self.scale = 1.0 / math.sqrt(config.head_dim)
         device = model.embed.weight.device
-        self.kv_heads = torch.arange(config.n_kv_heads, device=device)
         self.norm_epsilon = torch.tensor(config.d_model * config.norm_eps, device=device)
         self.autocast_dtype = None if config.precision == "fp32" else torch.bfloat16
         self._weights: _Weights | None = None
@@ -240,11 +246,11 @@ class FusedForward:
                 hidden = hidden.view(step.batch, step.length, -1)[:, -1]
             hidden = self._normalized(hidden)
         logits = torch.mm(_as(hidden, weights.output.dtype), weights.output).float()
-        if step.slot_range is None:
-            cache.lengths[step.slots] = step.positions[:, -1] + 1
+        ends = torch.tensor([start + step.length for start in starts], device=cache.lengths.device)
+        if step.slots is None:
+            cache.lengths[slots[0] : slots[0] + step.batch] = ends
         else:
-            first, count = step.slot_range
-            cache.lengths[first : first + count] = step.positions[:, -1] + 1
+            cache.lengths[step.slots] = ends
         routed = None
         if return_routing and routing:
             routed = torch.stack(routing, dim=1).view(step.batch, step.length, len(routing), -1)
@@ -270,14 +276,12 @@ class FusedForward:
                 "stop generation earlier or enlarge the cache."
             )
         device = input_ids.device
+        config = self.config
+        n_layers, n_kv_heads, head_dim = config.n_layers, config.n_kv_heads, config.head_dim
         positions = torch.tensor(starts, device=device).view(batch, 1)
         if length > 1:
             positions = positions + torch.arange(length, device=device)
-        slots_tensor = torch.tensor(slots, device=device)
-        first = slots[0]
-        consecutive = list(slots) == list(range(first, first + batch))
         blocked = torch.arange(visible, device=device) > positions.unsqueeze(-1)
-        n_kv_heads = self.config.n_kv_heads
         mask = (
             torch.where(blocked, float("-inf"), 0.0)
             .view(batch, 1, 1, length, visible)
@@ -285,21 +289,45 @@ class FusedForward:
             .reshape(batch * n_kv_heads, self.groups * length, visible)
         )
         cos, sin = weights.cos_sin.index_select(0, positions.view(-1)).unbind(1)
-        cache_index = (
-            (slots_tensor.view(batch, 1, 1) * n_kv_heads + self.kv_heads) * cache.max_seq_len
-            + positions.unsqueeze(-1)
+        # flat row of (slot, kv head, position) in a layer's [slots, kv_heads, max_seq_len, head_dim] cache
+        cache_index = torch.tensor(
+            [
+                (slot * n_kv_heads + head) * cache.max_seq_len + start + offset
+                for slot, start in zip(slots, starts, strict=True)
+                for offset in range(length)
+                for head in range(n_kv_heads)
+            ],
+            device=device,
         ).view(batch * length, n_kv_heads)
+        first = slots[0]
+        if list(slots) != list(range(first, first + batch)):
+            return _Step(
+                batch,
+                length,
+                visible,
+                cache_index,
+                torch.tensor(slots, device=device),
+                None,
+                None,
+                mask,
+                cos,
+                sin,
+            )
+        # the views see the keys and values each layer writes before it attends
+        keys = cache.key_storage.narrow(1, first, batch).narrow(3, 0, visible)
+        values = cache.value_storage.narrow(1, first, batch).narrow(3, 0, visible)
+        grouped = (n_layers, batch * n_kv_heads, visible, head_dim)
         return _Step(
-            batch=batch,
-            length=length,
-            positions=positions,
-            cache_index=cache_index,
-            slot_range=(first, batch) if consecutive else None,
-            slots=slots_tensor,
-            visible=visible,
-            mask=mask,
-            cos=cos,
-            sin=sin,
+            batch,
+            length,
+            visible,
+            cache_index,
+            None,
+            keys.reshape(grouped).transpose(2, 3).unbind(0),
+            values.reshape(grouped).unbind(0),
+            mask,
+            cos,
+            sin,
         )
 
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,44 +347,51 @@ class FusedForward:
         self, hidden: torch.Tensor, layer: _LayerWeights, index: int, cache: KVCache, step: _Step
     ) -> torch.Tensor:
         config = self.config
-        n_heads, n_kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        n_heads, n_kv_heads, head_dim, groups = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            self.groups,
+        )
         batch, length, visible = step.batch, step.length, step.visible
-        projected = torch.mm(self._normalized(hidden), layer.qkv_rotated)
-        rope_width, value_end = self.rope_width, self.value_end
         tokens = batch * length
-        query_key = projected[:, :rope_width].view(tokens, n_heads + n_kv_heads, head_dim)
-        query_key_rotated = projected[:, value_end:].view(tokens, n_heads + n_kv_heads, head_dim)
-        query_key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin)
-        query, key = query_key[:, :n_heads], query_key[:, n_heads:]
-        value = projected[:, rope_width:value_end].view(tokens, n_kv_heads, head_dim)
+        projected = torch.mm(self._normalized(hidden), layer.qkv_rotated).view(tokens, -1, head_dim)
+        query_key, value, query_key_rotated = projected.split(self.projection_heads, dim=1)
+        query, key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin).split(
+            (n_heads, n_kv_heads), dim=1
+        )
 
         layer_keys, layer_values = cache.keys[index], cache.values[index]
         target = (step.cache_index,)
         layer_keys.view(-1, head_dim).index_put_(target, _as(key, layer_keys.dtype))
         layer_values.view(-1, head_dim).index_put_(target, _as(value, layer_values.dtype))
-        if step.slot_range is None:
-            keys = layer_keys[step.slots, :, :visible]
-            values = layer_values[step.slots, :, :visible]
+        if step.slots is None:
+            keys_transposed, values = step.layer_keys[index], step.layer_values[index]
         else:
-            first, count = step.slot_range
-            keys = layer_keys.narrow(0, first, count).narrow(2, 0, visible)
-            values = layer_values.narrow(0, first, count).narrow(2, 0, visible)
-        keys = _as(keys.reshape(batch * n_kv_heads, visible, head_dim), query.dtype)
-        values = _as(values.reshape(batch * n_kv_heads, visible, head_dim), query.dtype)
+            grouped = (batch * n_kv_heads, visible, head_dim)
+            keys_transposed = layer_keys[step.slots, :, :visible].reshape(grouped).transpose(1, 2)
+            values = layer_values[step.slots, :, :visible].reshape(grouped)
+        keys_transposed, values = _as(keys_transposed, query.dtype), _as(values, query.dtype)
 
         # rows of one (sequence, kv head) group: its query heads x its new positions
-        grouped_queries = (
-            query.view(batch, length, n_kv_heads, self.groups, head_dim)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(batch * n_kv_heads, self.groups * length, head_dim)
-        )
-        scores = torch.baddbmm(step.mask, grouped_queries, keys.transpose(1, 2), alpha=self.scale)
+        if length == 1:
+            grouped_queries = query.reshape(batch * n_kv_heads, groups, head_dim)
+        else:
+            grouped_queries = (
+                query.view(batch, length, n_kv_heads, groups, head_dim)
+                .permute(0, 2, 3, 1, 4)
+                .reshape(batch * n_kv_heads, groups * length, head_dim)
+            )
+        scores = torch.baddbmm(step.mask, grouped_queries, keys_transposed, alpha=self.scale)
         attended = torch.bmm(scores.softmax(dim=-1), values)
-        attended = (
-            attended.view(batch, n_kv_heads, self.groups, length, head_dim)
-            .permute(0, 3, 1, 2, 4)
-            .reshape(tokens, n_heads * head_dim)
-        )
+        if length == 1:
+            attended = attended.view(tokens, n_heads * head_dim)
+        else:
+            attended = (
+                attended.view(batch, n_kv_heads, groups, length, head_dim)
+                .permute(0, 3, 1, 2, 4)
+                .reshape(tokens, n_heads * head_dim)
+            )
         return self._add_projection(hidden, attended, layer.attention_out)
 
     def _feed_forward(
