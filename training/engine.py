@@ -244,7 +244,7 @@ class GenerationEngine:
 
     def _decode(self) -> list[TokenEvent]:
         sequences = sorted(self._running.values(), key=lambda s: s.slot)
-        input_ids = torch.tensor([[s.tokens[-1]] for s in sequences], device=self.device)
+        input_ids = torch.tensor([s.tokens[-1] for s in sequences], device=self.device).view(-1, 1)
         # the newest token is not in the cache yet: it sits right after the prompt and the earlier tokens
         starts = [len(s.prompt) + len(s.tokens) - 1 for s in sequences]
         logits, routed = self._forward(input_ids, [s.slot for s in sequences], starts, None)

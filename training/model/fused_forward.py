@@ -356,8 +356,9 @@ class FusedForward:
         batch, length, visible = step.batch, step.length, step.visible
         tokens = batch * length
         projected = torch.mm(self._normalized(hidden), layer.qkv_rotated).view(tokens, -1, head_dim)
-        query_key, value, query_key_rotated = projected.split(self.projection_heads, dim=1)
-        query, key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin).split(
+        # split_with_sizes: Tensor.split is a Python wrapper around it, which shows at this call rate
+        query_key, value, query_key_rotated = projected.split_with_sizes(self.projection_heads, dim=1)
+        query, key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin).split_with_sizes(
             (n_heads, n_kv_heads), dim=1
         )
 
