@@ -157,6 +157,8 @@ class _Step:
     length: int
     visible: int
     """Cache positions every row attends over (the longest row after this forward)."""
+    ends: torch.Tensor
+    """int64 [B]: the slots' cache lengths after this forward."""
     cache_index: torch.Tensor
     """int64 [B * T, kv_heads]: where each new key/value row goes in a layer's cache viewed as [-1, head_dim]."""
     slots: torch.Tensor | None
@@ -246,11 +248,10 @@ class FusedForward:
                 hidden = hidden.view(step.batch, step.length, -1)[:, -1]
             hidden = self._normalized(hidden)
         logits = torch.mm(_as(hidden, weights.output.dtype), weights.output).float()
-        ends = torch.tensor([start + step.length for start in starts], device=cache.lengths.device)
         if step.slots is None:
-            cache.lengths[slots[0] : slots[0] + step.batch] = ends
+            cache.lengths[slots[0] : slots[0] + step.batch] = step.ends
         else:
-            cache.lengths[step.slots] = ends
+            cache.lengths[step.slots] = step.ends
         routed = None
         if return_routing and routing:
             routed = torch.stack(routing, dim=1).view(step.batch, step.length, len(routing), -1)
@@ -278,9 +279,26 @@ class FusedForward:
         device = input_ids.device
         config = self.config
         n_layers, n_kv_heads, head_dim = config.n_layers, config.n_kv_heads, config.head_dim
-        positions = torch.tensor(starts, device=device).view(batch, 1)
-        if length > 1:
-            positions = positions + torch.arange(length, device=device)
+        # every integer the step needs, in one tensor (building tensors from lists is not cheap)
+        tokens = batch * length
+        numbers = torch.tensor(
+            [
+                *(start + offset for start in starts for offset in range(length)),
+                *(start + length for start in starts),
+                # flat row of (slot, kv head, position) in a layer's [slots, kv_heads, max_seq_len, head_dim]
+                *(
+                    (slot * n_kv_heads + head) * cache.max_seq_len + start + offset
+                    for slot, start in zip(slots, starts, strict=True)
+                    for offset in range(length)
+                    for head in range(n_kv_heads)
+                ),
+                *slots,
+            ],
+            device=device,
+        )
+        positions = numbers[:tokens].view(batch, length)
+        ends = numbers.narrow(0, tokens, batch)
+        cache_index = numbers.narrow(0, tokens + batch, tokens * n_kv_heads).view(tokens, n_kv_heads)
         blocked = torch.arange(visible, device=device) > positions.unsqueeze(-1)
         mask = (
             torch.where(blocked, float("-inf"), 0.0)
@@ -289,24 +307,15 @@ class FusedForward:
             .reshape(batch * n_kv_heads, self.groups * length, visible)
         )
         cos, sin = weights.cos_sin.index_select(0, positions.view(-1)).unbind(1)
-        # flat row of (slot, kv head, position) in a layer's [slots, kv_heads, max_seq_len, head_dim] cache
-        cache_index = torch.tensor(
-            [
-                (slot * n_kv_heads + head) * cache.max_seq_len + start + offset
-                for slot, start in zip(slots, starts, strict=True)
-                for offset in range(length)
-                for head in range(n_kv_heads)
-            ],
-            device=device,
-        ).view(batch * length, n_kv_heads)
         first = slots[0]
         if list(slots) != list(range(first, first + batch)):
             return _Step(
                 batch,
                 length,
                 visible,
+                ends,
                 cache_index,
-                torch.tensor(slots, device=device),
+                numbers[-batch:],
                 None,
                 None,
                 mask,
@@ -321,6 +330,7 @@ class FusedForward:
             batch,
             length,
             visible,
+            ends,
             cache_index,
             None,
             keys.reshape(grouped).transpose(2, 3).unbind(0),
