@@ -154,6 +154,21 @@ def test_fused_engine_generates_what_the_reference_engine_generates(feed_forward
             assert result.routed_experts is None and expected.routed_experts is None
 
 
+def test_a_model_built_in_inference_mode_generates():
+    """Such parameters keep no version counter, which the change detection must not trip over."""
+    with torch.inference_mode():
+        model = _model()
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    reference, fused = (
+        GenerationEngine(model, config=EngineConfig(max_batch_size=2, fused_forward=flag)).generate(
+            prompts, params
+        )
+        for flag in (False, True)
+    )
+    assert [r.token_ids for r in fused] == [r.token_ids for r in reference]
+
+
 def test_dropped_fused_forwards_leave_no_hook_behind():
     model = _model()
     for _ in range(3):

@@ -96,7 +96,10 @@ class _Weights:
     def __init__(self, model: MoETransformer) -> None:
         config = model.config
         self.sources = [*model.parameters(), *model.buffers()]
-        self.stamp = self._stamp(self.sources)
+        # Tensors made under torch.inference_mode keep no version counter: for those (a model built in
+        # inference mode) only storage changes and load_state_dict are seen.
+        self.versioned = [tensor for tensor in self.sources if not tensor.is_inference()]
+        self.stamp = self._stamp()
         compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
         # [max_seq_len, 2, 1, head_dim]: one gather per forward yields cos and sin broadcastable over heads
         self.cos_sin = torch.stack([model.rotary.cos, model.rotary.sin], dim=1).unsqueeze(2).to(compute_dtype)
@@ -104,12 +107,11 @@ class _Weights:
         self.output = _in_out(model.output.weight * _norm_scale(model.norm).to(model.output.weight.dtype))
         self.layers = [self._layer(block, config.n_heads, config.n_kv_heads) for block in model.layers]
 
-    @staticmethod
-    def _stamp(sources: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-        return [(tensor._version, tensor.data_ptr()) for tensor in sources]
+    def _stamp(self) -> tuple[list[int], list[int]]:
+        return [tensor._version for tensor in self.versioned], [tensor.data_ptr() for tensor in self.sources]
 
     def current(self) -> bool:
-        return self._stamp(self.sources) == self.stamp
+        return self._stamp() == self.stamp
 
     @staticmethod
     def _layer(block: TransformerBlock, n_heads: int, n_kv_heads: int) -> _LayerWeights:
