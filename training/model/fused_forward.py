@@ -14,7 +14,8 @@ which only the GEMMs do real work), so this path computes the same function as
 - RMSNorm weights (times sqrt(d_model)) fold into the projections that follow, leaving a per-token
   1 / sqrt(||x||^2 + d_model * eps): a vector norm and two small ops instead of the norm's six;
 - output projections add into the residual stream in the same call (addmm) in fp32;
-- new keys and values are written with one flat index per step, shared by all layers;
+- new keys and values are written with one flat index per step, shared by all layers, and when the
+  slots are consecutive every layer's cached prefix is a view taken once per step;
 - positions and cache lengths come from the caller as Python ints, so nothing waits on a tensor value.
 
 The fused weights are copies, rebuilt whenever a parameter changes: every parameter's version counter
@@ -310,36 +311,26 @@ class FusedForward:
         )
         cos, sin = weights.cos_sin.index_select(0, positions.view(-1)).unbind(1)
         first = slots[0]
-        if list(slots) != list(range(first, first + batch)):
-            return _Step(
-                batch,
-                length,
-                visible,
-                ends,
-                cache_index,
-                numbers[-batch:],
-                None,
-                None,
-                mask,
-                cos,
-                sin,
-            )
-        # the views see the keys and values each layer writes before it attends
-        keys = cache.key_storage.narrow(1, first, batch).narrow(3, 0, visible)
-        values = cache.value_storage.narrow(1, first, batch).narrow(3, 0, visible)
-        grouped = (n_layers, batch * n_kv_heads, visible, head_dim)
+        consecutive = list(slots) == list(range(first, first + batch))
+        layer_keys = layer_values = None
+        if consecutive:
+            # the views see the keys and values each layer writes before it attends
+            grouped = (n_layers, batch * n_kv_heads, visible, head_dim)
+            keys = cache.key_storage.narrow(1, first, batch).narrow(3, 0, visible).reshape(grouped)
+            values = cache.value_storage.narrow(1, first, batch).narrow(3, 0, visible).reshape(grouped)
+            layer_keys, layer_values = keys.transpose(2, 3).unbind(0), values.unbind(0)
         return _Step(
-            batch,
-            length,
-            visible,
-            ends,
-            cache_index,
-            None,
-            keys.reshape(grouped).transpose(2, 3).unbind(0),
-            values.reshape(grouped).unbind(0),
-            mask,
-            cos,
-            sin,
+            batch=batch,
+            length=length,
+            visible=visible,
+            ends=ends,
+            cache_index=cache_index,
+            slots=None if consecutive else numbers[-batch:],
+            layer_keys=layer_keys,
+            layer_values=layer_values,
+            mask=mask,
+            cos=cos,
+            sin=sin,
         )
 
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:
