@@ -373,8 +373,10 @@ class FusedForward:
             keys_transposed, values = step.layer_keys[index], step.layer_values[index]
         else:
             grouped = (batch * n_kv_heads, visible, head_dim)
-            keys_transposed = layer_keys[step.slots, :, :visible].reshape(grouped).transpose(1, 2)
-            values = layer_values[step.slots, :, :visible].reshape(grouped)
+            keys_transposed = (
+                layer_keys.narrow(2, 0, visible).index_select(0, step.slots).view(grouped).transpose(1, 2)
+            )
+            values = layer_values.narrow(2, 0, visible).index_select(0, step.slots).view(grouped)
         keys_transposed, values = _as(keys_transposed, query.dtype), _as(values, query.dtype)
 
         # rows of one (sequence, kv head) group: its query heads x its new positions
