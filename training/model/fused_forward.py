@@ -12,7 +12,8 @@ which only the GEMMs do real work), so this path computes the same function as
   experts are computed (``moe.all_experts_pays``); the top-k weights scale the hidden units, so the down
   projection and the sum over experts are one matmul; the dense variant fuses gate and up alike;
 - RMSNorm weights (times sqrt(d_model)) fold into the projections that follow, leaving a per-token
-  1 / sqrt(||x||^2 + d_model * eps): a vector norm and two small ops instead of the norm's six;
+  1 / sqrt(||x||^2 + d_model * eps) = 1 / hypot(||x||, sqrt(d_model * eps)): three small operators
+  instead of the norm's six;
 - output projections add into the residual stream in the same call (addmm) in fp32;
 - new keys and values are written with one flat index per step, shared by all layers, and when the
   slots are consecutive every layer's cached prefix is a view taken once per step;
@@ -194,7 +195,7 @@ class FusedForward:
         )
         self.scale = 1.0 / math.sqrt(config.head_dim)
         device = model.embed.weight.device
-        self.norm_epsilon = torch.tensor(config.d_model * config.norm_eps, device=device)
+        self.norm_epsilon_root = torch.tensor(math.sqrt(config.d_model * config.norm_eps), device=device)
         self.autocast_dtype = None if config.precision == "fp32" else torch.bfloat16
         self._weights: _Weights | None = None
         # assign=True replaces parameter objects, which the version stamps of the old ones cannot see.
@@ -336,7 +337,7 @@ class FusedForward:
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:
         """x / sqrt(||x||^2 + d_model * eps) per row: RMSNorm up to its weight, which the next projection holds."""
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return x * torch.addcmul(self.norm_epsilon, norm, norm).rsqrt_()
+        return x / torch.hypot(norm, self.norm_epsilon_root)
 
     def _add_projection(
         self, residual: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor
