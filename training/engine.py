@@ -343,31 +343,37 @@ def sample_tokens(
         # all greedy (evaluation, benchmarks): no temperature scaling and no draws to make
         tokens = logits.argmax(dim=-1)
         return tokens, logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    temperature = torch.tensor(temperatures, dtype=torch.float32)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logprobs_all = scaled.log_softmax(dim=-1)
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = (~greedy).nonzero().flatten().tolist()
-    if sampled_rows:
-        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
-        probs = logprobs_all[sampled_rows].exp()
-        top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
-        tokens[sampled_rows] = _inverse_cdf_sample(probs, top_p, uniforms)
+    sampled_rows = [row for row, temperature in enumerate(temperatures) if temperature != 0]
+    # greedy rows keep their raw logits (temperature 1)
+    scale = torch.tensor([temperature or 1.0 for temperature in temperatures], dtype=torch.float32)
+    logprobs_all = (logits / scale[:, None]).log_softmax(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
+    top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
+    if len(sampled_rows) == len(temperatures):
+        # every row sampled (RL rollouts): no argmax and no row gathers
+        tokens = _inverse_cdf_sample(logprobs_all.exp(), top_p, uniforms)
+    else:
+        tokens = logits.argmax(dim=-1)
+        tokens[sampled_rows] = _inverse_cdf_sample(logprobs_all[sampled_rows].exp(), top_p, uniforms)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
 
 
+def _full_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens [R] for probability rows [R, V] without truncation: the CDF in vocabulary order needs no sort."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = uniforms[:, None] * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1).squeeze(1)
+
+
 def _inverse_cdf_sample(probs: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Tokens [R] for probability rows [R, V]; rows with top_p < 1 sample from their nucleus only."""
-    tokens = torch.empty(probs.shape[0], dtype=torch.long)
     full = top_p >= 1
+    if bool(full.all()):
+        return _full_cdf_sample(probs, uniforms)
+    tokens = torch.empty(probs.shape[0], dtype=torch.long)
     if bool(full.any()):
-        # No truncation: the CDF in vocabulary order needs no sort.
-        cumulative = probs[full].cumsum(dim=-1)
-        targets = uniforms[full, None] * cumulative[:, -1:]
-        positions = torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1)
-        tokens[full] = positions.squeeze(1)
+        tokens[full] = _full_cdf_sample(probs[full], uniforms[full])
     nucleus = ~full
     if bool(nucleus.any()):
         rows, p = probs[nucleus], top_p[nucleus, None]
