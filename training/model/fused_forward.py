@@ -11,7 +11,8 @@ which only the GEMMs do real work), so this path computes the same function as
 - the MoE router, every expert's gate and every expert's up projection are one matmul when all
   experts are computed (``moe.all_experts_pays``); the top-k weights scale the hidden units, so the down
   projection and the sum over experts are one matmul; the dense variant fuses gate and up alike;
-- RMSNorm weights (times sqrt(d_model)) fold into the projections that follow, leaving a per-token
+- RMSNorm weights (times sqrt(d_model)) fold into the projections that follow (the final norm's into
+  the hidden state, the output weight is too big to copy), leaving a per-token
   1 / sqrt(||x||^2 + d_model * eps) = 1 / hypot(||x||, sqrt(d_model * eps)): three small operators
   instead of the norm's six;
 - output projections add into the residual stream in the same call (addmm) in fp32;
@@ -19,7 +20,9 @@ which only the GEMMs do real work), so this path computes the same function as
   slots are consecutive every layer's cached prefix is a view taken once per step;
 - positions and cache lengths come from the caller as Python ints, so nothing waits on a tensor value.
 
-The fused weights are copies, rebuilt whenever a parameter changes: every parameter's version counter
+The fused weights are copies (the attention projections, and the gate/up projections of dense models and
+of MoE models that may compute every expert; about that much extra memory), rebuilt whenever a parameter
+changes: every parameter's version counter
 (bumped by in-place updates: ``load_state_dict``, optimizer steps) and storage pointer (``.to()``,
 re-materialisation) are compared on each call, and ``load_state_dict(assign=True)``, which swaps the
 parameter objects, is caught by a hook. Expert dispatch (many tokens, or MXFP8) runs the model's own
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from training.model.kv_cache import KVCache
-from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays
+from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
 from training.model.transformer import MoETransformer, TransformerBlock
 
 
@@ -85,8 +88,8 @@ class _LayerWeights:
     """The feed-forward norm's weight times sqrt(d_model), for the model's own MoE layer (dispatch)."""
     ffn_in: torch.Tensor | None
     """Dense: [d_model, 2 * d_ff] gate and up. MoE: [d_model, E + 2 * E * d_ff] router, every expert's
-    gate, every expert's up; rows scaled by the feed-forward norm; None for precisions whose experts
-    cannot be fused (MXFP8)."""
+    gate, every expert's up; rows scaled by the feed-forward norm; None for MoE models that never compute
+    every expert (too many experts per routed one, or MXFP8)."""
     ffn_out: torch.Tensor
     """[d_ff or E * d_ff, d_model]: the down projection(s) stacked along the hidden units (a view)."""
     feed_forward: MoEFeedForward | DenseFeedForward
@@ -106,7 +109,10 @@ class _Weights:
         # [max_seq_len, 2, 1, head_dim]: one gather per forward yields cos and sin broadcastable over heads
         self.cos_sin = torch.stack([model.rotary.cos, model.rotary.sin], dim=1).unsqueeze(2).to(compute_dtype)
         self.embed = model.embed.weight
-        self.output = _in_out(model.output.weight * _norm_scale(model.norm).to(model.output.weight.dtype))
+        # The (tied, vocabulary-sized) output weight is used as it is rather than copied with the norm
+        # folded in: the final norm's weight costs one multiply of [B, d_model].
+        self.norm = _norm_scale(model.norm)
+        self.output = model.output.weight
         self.layers = [self._layer(block, config.n_heads, config.n_kv_heads) for block in model.layers]
 
     def _stamp(self) -> tuple[list[int], list[int]]:
@@ -130,7 +136,8 @@ class _Weights:
         else:
             n_experts, d_model, d_ff = feed_forward.w_gate.shape
             ffn_in = None
-            if feed_forward.config.precision in ("fp32", "bf16"):
+            # only models that may take the all-experts path pay for this copy of every expert's gate and up
+            if all_experts_possible(feed_forward.config):
                 # expert-major hidden units: unit e * d_ff + j is expert e's unit j
                 ffn_in = _in_out(
                     torch.cat(
@@ -250,8 +257,8 @@ class FusedForward:
                 hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
             elif step.length > 1:
                 hidden = hidden.view(step.batch, step.length, -1)[:, -1]
-            hidden = self._normalized(hidden)
-        logits = torch.mm(_as(hidden, weights.output.dtype), weights.output).float()
+            hidden = self._normalized(hidden) * weights.norm
+        logits = F.linear(_as(hidden, weights.output.dtype), weights.output).float()
         if step.slots is None:
             cache.lengths[slots[0] : slots[0] + step.batch] = step.ends
         else:

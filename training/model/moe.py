@@ -129,17 +129,21 @@ class MoEFeedForward(nn.Module):
         return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
 
 
+def all_experts_possible(config: ModelConfig) -> bool:
+    """Whether this model's MoE layers ever compute every expert (its FLOPs are within the bound)."""
+    return (
+        config.precision in ("fp32", "bf16")
+        and config.n_experts <= DENSE_DECODE_MAX_FLOPS_FACTOR * config.top_k
+    )
+
+
 def all_experts_pays(config: ModelConfig, n_tokens: int) -> bool:
     """Whether computing every expert for these tokens beats dispatching them (see DENSE_DECODE_*).
 
     Callers must also be outside autograd and not need router losses; reads the bounds at call time so a
     benchmark can move them.
     """
-    return (
-        config.precision in ("fp32", "bf16")
-        and config.n_experts <= DENSE_DECODE_MAX_FLOPS_FACTOR * config.top_k
-        and 0 < n_tokens * config.n_experts <= DENSE_DECODE_MAX_ROWS
-    )
+    return all_experts_possible(config) and 0 < n_tokens * config.n_experts <= DENSE_DECODE_MAX_ROWS
 
 
 class DenseFeedForward(nn.Module):
