@@ -175,3 +175,9 @@ def test_dropped_fused_forwards_leave_no_hook_behind():
         FusedForward(model)
     gc.collect()
     assert not model._load_state_dict_post_hooks
+
+
+def test_only_models_that_may_compute_every_expert_hold_a_fused_expert_copy():
+    """For 8 experts and top-2 the all-experts path never pays, so a copy of every expert would be waste."""
+    assert all(layer.ffn_in is not None for layer in FusedForward(_model()).weights().layers)
+    assert all(layer.ffn_in is None for layer in FusedForward(_model(n_experts=8)).weights().layers)
