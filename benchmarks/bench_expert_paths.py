@@ -2,9 +2,11 @@
 
 "dispatch+loop": sort tokens by expert, one Python-level GEMM chain per expert (the training path);
 "dispatch+grouped_mm": the same dispatch, each projection one ``torch._grouped_mm`` call (inference
-default); "all-experts" adds the small-batch path of ``training/model/moe.py`` that computes every
-expert for every token (used only within its ``DENSE_DECODE_*`` bounds). Rates are generated tokens
-per CPU-second of the benchmark thread, best of N, contenders interleaved; tokens must be identical.
+default); "all-experts" adds the small-batch path that computes every expert for every token (in the
+engine that is the fused forward's, ``training/model/fused_forward.py``; ``MoETransformer.forward`` has
+its own in ``training/model/moe.py``), used only within the ``moe.DENSE_DECODE_*`` bounds. Rates are
+generated tokens per CPU-second of the benchmark thread, best of N, contenders interleaved; tokens must
+be identical.
 
     .venv/bin/python benchmarks/bench_expert_paths.py --size small --workload uniform
     .venv/bin/python benchmarks/bench_expert_paths.py --size tiny --workload mixed

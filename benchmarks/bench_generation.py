@@ -17,11 +17,17 @@ the engine refills finished slots at once (continuous batching).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
+
+# Measure the checkout this script is in: the shared virtualenv's editable install maps `training` to
+# another one (the other benchmarks do the same).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.engine import EngineConfig, GenerationEngine, SamplingParams
 from training.model import ModelConfig, MoETransformer

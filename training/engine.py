@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from training.model.fused_forward import FusedForward
 from training.model.kv_cache import KVCache
 from training.model.transformer import MoETransformer
 
@@ -66,6 +67,10 @@ class EngineConfig:
 
     record_routing: bool = True
     """Keep the experts every token was routed to (for routing replay in RL)."""
+
+    fused_forward: bool = True
+    """Run the model through training.model.fused_forward (same results, far fewer operators per step);
+    False runs MoETransformer.forward, the reference the fused path is tested and benchmarked against."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -132,6 +137,7 @@ class GenerationEngine:
             device=device,
         )
         self.record_routing = self.config.record_routing and model.config.is_moe
+        self.fused_forward = FusedForward(model) if self.config.fused_forward else None
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}
         self._free_slots = list(range(self.config.max_batch_size))
@@ -217,44 +223,66 @@ class GenerationEngine:
 
     def _prefill(self, sequences: list[_Sequence]) -> list[TokenEvent]:
         """One forward over the right-padded prompts of all newly admitted sequences."""
-        lengths = torch.tensor([len(s.prompt) for s in sequences], device=self.device)
-        input_ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long, device=self.device)
-        for row, sequence in enumerate(sequences):
-            input_ids[row, : len(sequence.prompt)] = torch.tensor(sequence.prompt)
-        slots = torch.tensor([s.slot for s in sequences], device=self.device)
-        out = self.model(
-            input_ids,
-            kv_cache=self.cache,
-            cache_slots=slots,
-            return_routing=self.record_routing,
-            compute_router_losses=False,
-            logits_positions=lengths - 1,
+        prompt_lengths = [len(s.prompt) for s in sequences]
+        longest = max(prompt_lengths)
+        input_ids = torch.tensor(
+            [s.prompt + [0] * (longest - len(s.prompt)) for s in sequences], device=self.device
+        )
+        slots = [s.slot for s in sequences]
+        logits, routed = self._forward(
+            input_ids, slots, [0] * len(sequences), [length - 1 for length in prompt_lengths]
         )
         # Padding wrote keys past each prompt; they sit beyond the slot's length, so attention masks
         # them until decoding overwrites them.
-        self.cache.lengths[slots] = lengths
-        if self.record_routing:
-            routed = out.routed_experts.to("cpu", torch.int16)
-            for row, sequence in enumerate(sequences):
-                sequence.routing.append(routed[row, : len(sequence.prompt)])
-        return self._sample_and_advance(sequences, out.logits[:, 0])
+        self.cache.lengths[torch.tensor(slots, device=self.device)] = torch.tensor(
+            prompt_lengths, device=self.device
+        )
+        if routed is not None:
+            for sequence, rows in zip(sequences, routed.unbind(0), strict=True):
+                sequence.routing.append(rows[: len(sequence.prompt)])
+        return self._sample_and_advance(sequences, logits)
 
     def _decode(self) -> list[TokenEvent]:
         sequences = sorted(self._running.values(), key=lambda s: s.slot)
-        input_ids = torch.tensor([[s.tokens[-1]] for s in sequences], device=self.device)
-        slots = torch.tensor([s.slot for s in sequences], device=self.device)
-        out = self.model(
-            input_ids,
-            kv_cache=self.cache,
-            cache_slots=slots,
-            return_routing=self.record_routing,
-            compute_router_losses=False,
-        )
-        if self.record_routing:
-            routed = out.routed_experts.to("cpu", torch.int16)
-            for row, sequence in enumerate(sequences):
-                sequence.routing.append(routed[row])
-        return self._sample_and_advance(sequences, out.logits[:, -1])
+        input_ids = torch.tensor([s.tokens[-1] for s in sequences], device=self.device).view(-1, 1)
+        # the newest token is not in the cache yet: it sits right after the prompt and the earlier tokens
+        starts = [len(s.prompt) + len(s.tokens) - 1 for s in sequences]
+        logits, routed = self._forward(input_ids, [s.slot for s in sequences], starts, None)
+        if routed is not None:
+            for sequence, rows in zip(sequences, routed.unbind(0), strict=True):
+                sequence.routing.append(rows)
+        return self._sample_and_advance(sequences, logits)
+
+    def _forward(
+        self, input_ids: torch.Tensor, slots: list[int], starts: list[int], logits_positions: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, vocab] at one position per row (default the last) and, when recorded, the CPU
+        int16 routing [B, T, n_layers, top_k] of every input token."""
+        if self.fused_forward is not None:
+            fused = self.fused_forward(
+                input_ids,
+                self.cache,
+                slots=slots,
+                starts=starts,
+                logits_positions=logits_positions,
+                return_routing=self.record_routing,
+            )
+            logits, routed = fused.logits, fused.routed_experts
+        else:
+            out = self.model(
+                input_ids,
+                kv_cache=self.cache,
+                cache_slots=torch.tensor(slots, device=self.device),
+                return_routing=self.record_routing,
+                compute_router_losses=False,
+                logits_positions=None
+                if logits_positions is None
+                else torch.tensor(logits_positions, device=self.device),
+            )
+            logits, routed = out.logits[:, -1], out.routed_experts
+        if not self.record_routing:
+            return logits, None
+        return logits, routed.to("cpu", torch.int16)
 
     def _sample_and_advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         tokens, logprobs = sample_tokens(
@@ -311,31 +339,41 @@ def sample_tokens(
     so its token depends only on its own logits and generator, never on the other rows.
     """
     logits = logits.float().cpu()
-    temperature = torch.tensor(temperatures, dtype=torch.float32)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logprobs_all = scaled.log_softmax(dim=-1)
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = (~greedy).nonzero().flatten().tolist()
-    if sampled_rows:
-        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
-        probs = logprobs_all[sampled_rows].exp()
-        top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
-        tokens[sampled_rows] = _inverse_cdf_sample(probs, top_p, uniforms)
+    if not any(temperatures):
+        # all greedy (evaluation, benchmarks): no temperature scaling and no draws to make
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    sampled_rows = [row for row, temperature in enumerate(temperatures) if temperature != 0]
+    # greedy rows keep their raw logits (temperature 1)
+    scale = torch.tensor([temperature or 1.0 for temperature in temperatures], dtype=torch.float32)
+    logprobs_all = (logits / scale[:, None]).log_softmax(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
+    top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
+    if len(sampled_rows) == len(temperatures):
+        # every row sampled (RL rollouts): no argmax and no row gathers
+        tokens = _inverse_cdf_sample(logprobs_all.exp(), top_p, uniforms)
+    else:
+        tokens = logits.argmax(dim=-1)
+        tokens[sampled_rows] = _inverse_cdf_sample(logprobs_all[sampled_rows].exp(), top_p, uniforms)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
 
 
+def _full_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens [R] for probability rows [R, V] without truncation: the CDF in vocabulary order needs no sort."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = uniforms[:, None] * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1).squeeze(1)
+
+
 def _inverse_cdf_sample(probs: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Tokens [R] for probability rows [R, V]; rows with top_p < 1 sample from their nucleus only."""
-    tokens = torch.empty(probs.shape[0], dtype=torch.long)
     full = top_p >= 1
+    if bool(full.all()):
+        return _full_cdf_sample(probs, uniforms)
+    tokens = torch.empty(probs.shape[0], dtype=torch.long)
     if bool(full.any()):
-        # No truncation: the CDF in vocabulary order needs no sort.
-        cumulative = probs[full].cumsum(dim=-1)
-        targets = uniforms[full, None] * cumulative[:, -1:]
-        positions = torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1)
-        tokens[full] = positions.squeeze(1)
+        tokens[full] = _full_cdf_sample(probs[full], uniforms[full])
     nucleus = ~full
     if bool(nucleus.any()):
         rows, p = probs[nucleus], top_p[nucleus, None]

@@ -172,3 +172,22 @@ def test_bad_requests_are_rejected_clearly(model):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="2 prompts but 1"):
         engine.generate([[1], [2]], [SamplingParams()])
+
+
+def test_sampling_paths_agree_row_by_row():
+    """All-greedy, all-sampled and mixed batches take different code paths; a row's token must not care."""
+    logits = torch.randn(4, 2048, generator=torch.Generator().manual_seed(0)) * 3
+
+    def sample(rows, temperatures, top_ps):
+        return sample_tokens(
+            logits[rows],
+            temperatures=temperatures,
+            top_ps=top_ps,
+            generators=[torch.Generator().manual_seed(row) for row in rows],
+        )
+
+    sampled_tokens, sampled_logprobs = sample([0, 1, 2], [1.0, 0.7, 1.0], [1.0, 1.0, 0.9])
+    mixed_tokens, mixed_logprobs = sample([0, 1, 2, 3], [1.0, 0.7, 1.0, 0.0], [1.0, 1.0, 0.9, 1.0])
+    greedy_tokens, greedy_logprobs = sample([3], [0.0], [1.0])
+    assert torch.equal(mixed_tokens, torch.cat([sampled_tokens, greedy_tokens]))
+    torch.testing.assert_close(mixed_logprobs, torch.cat([sampled_logprobs, greedy_logprobs]))

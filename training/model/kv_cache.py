@@ -30,7 +30,7 @@ class CacheBatch:
 
 
 class KVCache:
-    """Preallocated keys/values [slots, kv_heads, max_seq_len, head_dim] per layer plus a length per slot.
+    """Preallocated keys/values [n_layers, slots, kv_heads, max_seq_len, head_dim] plus a length per slot.
 
     A forward pass with a cache appends its tokens at each slot's current length and advances it;
     `release` makes a slot reusable by the next sequence without touching the other slots.
@@ -53,9 +53,13 @@ class KVCache:
                 f"KV cache max_seq_len={max_seq_len} exceeds the model's max_seq_len={config.max_seq_len}; "
                 "lower it or build the model with a larger max_seq_len."
             )
-        shape = (max_batch_size, config.n_kv_heads, max_seq_len, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        shape = (config.n_layers, max_batch_size, config.n_kv_heads, max_seq_len, config.head_dim)
+        # One tensor for all layers, so that a decode step can take every layer's prefix in one slice;
+        # `keys` / `values` are per-layer views of it.
+        self.key_storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = list(self.key_storage.unbind(0))
+        self.values = list(self.value_storage.unbind(0))
         self.lengths = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

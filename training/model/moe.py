@@ -94,13 +94,7 @@ class MoEFeedForward(nn.Module):
                 total = total.clamp_min(torch.finfo(total.dtype).tiny)
             weights = weights / total
 
-        if (
-            not compute_losses
-            and not torch.is_grad_enabled()
-            and self.config.precision in ("fp32", "bf16")
-            and n_experts <= DENSE_DECODE_MAX_FLOPS_FACTOR * top_k
-            and 0 < n_tokens * n_experts <= DENSE_DECODE_MAX_ROWS
-        ):
+        if not compute_losses and not torch.is_grad_enabled() and all_experts_pays(self.config, n_tokens):
             zero = router_logits.new_zeros(())
             return self._all_experts(x, weights, expert_indices), RouterOutput(expert_indices, zero, zero)
 
@@ -133,6 +127,23 @@ class MoEFeedForward(nn.Module):
         dense_weights = torch.zeros(x.shape[0], self.config.n_experts, dtype=x.dtype, device=x.device)
         dense_weights.scatter_(1, expert_indices, weights.to(x.dtype))
         return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
+
+
+def all_experts_possible(config: ModelConfig) -> bool:
+    """Whether this model's MoE layers ever compute every expert (its FLOPs are within the bound)."""
+    return (
+        config.precision in ("fp32", "bf16")
+        and config.n_experts <= DENSE_DECODE_MAX_FLOPS_FACTOR * config.top_k
+    )
+
+
+def all_experts_pays(config: ModelConfig, n_tokens: int) -> bool:
+    """Whether computing every expert for these tokens beats dispatching them (see DENSE_DECODE_*).
+
+    Callers must also be outside autograd and not need router losses; reads the bounds at call time so a
+    benchmark can move them.
+    """
+    return all_experts_possible(config) and 0 < n_tokens * config.n_experts <= DENSE_DECODE_MAX_ROWS
 
 
 class DenseFeedForward(nn.Module):
