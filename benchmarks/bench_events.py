@@ -7,10 +7,17 @@ child forwards it to websocket clients. Latency = client receive time - ``payloa
 
 Baseline measured in the same run: a message of the same size sent with ``group_send`` straight
 to the same group (no database, no loop), i.e. the transport's own floor. Printed: p50/p99 for one
-viewer and for N concurrent viewers of one task, and the ratio against the baseline.
+viewer and for N concurrent viewers of one task, the ratio against the baseline, and the CPU time the
+server process and the viewer processes spent per frame delivered while the viewers watched.
+
+The viewers run in 4 processes on the same machine as the server. ``--client lean`` (default) is a
+minimal frame reader on uvloop that stamps a frame when its bytes come off the socket;
+``--client websockets`` is the ``websockets`` library's client, stamping after its reader task woke
+(the client of the figures before 2026-11-25). Baseline and product path always use the same client.
 
 Needs PostgreSQL and Redis (the defaults below are the development services; override with
 DATABASE_URL / REDIS_URL). Run:  .venv/bin/python benchmarks/bench_events.py [--quick] [--viewers 500]
+[--many-only] [--client lean|websockets]
 """
 
 from __future__ import annotations
@@ -243,8 +250,13 @@ def _samples(received: list[tuple[float, bytes | str]]) -> list[tuple]:
 
 
 def _viewer_process(client: str, url: str, token: str, count: int, ready, stop, results) -> None:
+    import uvloop
+
     headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
-    received, cpu_s = asyncio.run(CLIENTS[client](url, headers, count, ready, stop))
+    # The lean client reads on uvloop, as the server does (half the client CPU per frame of asyncio's
+    # own loop here); the websockets client keeps asyncio's loop, as this benchmark always ran it.
+    run = uvloop.run if client == "lean" else asyncio.run
+    received, cpu_s = run(CLIENTS[client](url, headers, count, ready, stop))
     results.put(([_samples(per_client) for per_client in received], sum(map(len, received)), cpu_s))
 
 
