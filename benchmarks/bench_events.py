@@ -7,16 +7,24 @@ child forwards it to websocket clients. Latency = client receive time - ``payloa
 
 Baseline measured in the same run: a message of the same size sent with ``group_send`` straight
 to the same group (no database, no loop), i.e. the transport's own floor. Printed: p50/p99 for one
-viewer and for N concurrent viewers of one task, and the ratio against the baseline.
+viewer and for N concurrent viewers of one task, the ratio against the baseline, and the CPU time the
+server process and the viewer processes spent per frame delivered while the viewers watched.
+
+The viewers run in 4 processes on the same machine as the server. ``--client lean`` (default) is a
+minimal frame reader on uvloop that stamps a frame when its bytes come off the socket;
+``--client websockets`` is the ``websockets`` library's client, stamping after its reader task woke
+(the client of the figures before 2026-11-25). Baseline and product path always use the same client.
 
 Needs PostgreSQL and Redis (the defaults below are the development services; override with
 DATABASE_URL / REDIS_URL). Run:  .venv/bin/python benchmarks/bench_events.py [--quick] [--viewers 500]
+[--many-only] [--client lean|websockets]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import socket
@@ -26,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -87,55 +96,191 @@ def start_server(port: int) -> subprocess.Popen:
     raise SystemExit("uvicorn did not start")
 
 
-async def _watch(url: str, token: str, count: int, ready, stop) -> list[list[tuple]]:
+class _FrameReader(asyncio.Protocol):
+    """A small websocket client that still reads every frame: the HTTP upgrade, unmasked server
+    frames (RFC 6455 5.1), fragments, ping -> pong, the closing handshake. One process holds over a
+    hundred viewers on the same two cores as the server, so what a client does per message delays
+    the next viewer's reading: the arrival time is taken when the bytes come off the socket, and
+    the JSON (each event's order and timestamp) is read after the run."""
+
+    def __init__(self, host: str, path: str, headers: dict[str, str]) -> None:
+        loop = asyncio.get_running_loop()
+        self.request = "".join([
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n",
+            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n",
+            *(f"{name}: {value}\r\n" for name, value in headers.items()), "\r\n",
+        ]).encode()
+        self.opened, self.closed = loop.create_future(), loop.create_future()
+        self.close_sent = False
+        self.buffer = bytearray()
+        self.fragments: list[bytes] = []
+        self.messages: list[tuple[float, bytes]] = []
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def connection_lost(self, exc) -> None:
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionError(f"connection lost before the upgrade: {exc}"))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time()
+        self.buffer += data
+        if not self.opened.done():
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            if not self.buffer.startswith(b"HTTP/1.1 101 "):
+                self.opened.set_exception(ConnectionError(bytes(self.buffer[:end]).decode("latin-1")))
+                self.transport.close()
+                return
+            del self.buffer[:end + 4]
+            self.opened.set_result(None)
+        self._read_frames(now)
+
+    def _read_frames(self, now: float) -> None:
+        buffer, start = self.buffer, 0
+        while len(buffer) - start >= 2:
+            first, length = buffer[start], buffer[start + 1] & 0x7F
+            header = 2 + {126: 2, 127: 8}.get(length, 0)
+            if len(buffer) - start < header:
+                break
+            if header > 2:
+                length = int.from_bytes(buffer[start + 2:start + header], "big")
+            end = start + header + length
+            if len(buffer) < end:
+                break
+            self._frame(first & 0x80, first & 0x0F, bytes(buffer[start + header:end]), now)
+            start = end
+        del buffer[:start]
+
+    def _frame(self, fin: int, opcode: int, payload: bytes, now: float) -> None:
+        if opcode in (0x0, 0x1, 0x2):
+            self.fragments.append(payload)
+            if fin:
+                self.messages.append((now, b"".join(self.fragments)))
+                self.fragments = []
+        elif opcode == 0x9:
+            self.send_frame(0xA, payload)
+        elif opcode == 0x8:
+            if not self.close_sent:
+                self.send_frame(0x8, payload[:2])
+            if not self.closed.done():
+                self.closed.set_result(None)
+            self.transport.close()
+
+    def send_frame(self, opcode: int, payload: bytes) -> None:
+        # Client frames are masked (RFC 6455 5.3); the payloads here are a few bytes.
+        mask = os.urandom(4)
+        masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(payload))
+        self.transport.write(bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + masked)
+
+    async def close(self) -> None:
+        if not self.closed.done():
+            self.send_frame(0x8, (1000).to_bytes(2, "big"))
+            self.close_sent = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self.closed), 10)
+            except TimeoutError:
+                pass
+        self.transport.close()
+
+
+async def _connect_lean(url: str, headers: dict[str, str]) -> _FrameReader:
+    location = urlsplit(url)
+    path = f"{location.path}?{location.query}" if location.query else location.path
+    _, reader = await asyncio.get_running_loop().create_connection(
+        lambda: _FrameReader(location.netloc, path, headers), location.hostname, location.port)
+    await asyncio.wait_for(reader.opened, 120)
+    return reader
+
+
+async def _watch_lean(url: str, headers: dict[str, str], count: int, ready, stop) -> tuple[list[list[tuple[float, bytes]]], float]:
+    readers = [await _connect_lean(url, headers) for _ in range(count)]
+    ready.set()
+    cpu_start = time.process_time()
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    cpu_s = time.process_time() - cpu_start
+    await asyncio.gather(*(reader.close() for reader in readers))
+    return [reader.messages for reader in readers], cpu_s
+
+
+async def _watch_websockets(url: str, headers: dict[str, str], count: int, ready, stop) -> tuple[list[list[tuple[float, bytes]]], float]:
     import websockets
 
-    headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
-    samples: list[list[tuple]] = [[] for _ in range(count)]
+    received: list[list[tuple[float, bytes]]] = [[] for _ in range(count)]
     sockets = []
     for _ in range(count):
         sockets.append(await websockets.connect(url, additional_headers=headers, max_queue=None, open_timeout=120))
     ready.set()
+    cpu_start = time.process_time()
 
     async def read(index: int, ws) -> None:
         try:
             async for raw in ws:
-                now = time.time()
-                message = json.loads(raw)
-                for event in message.get("events", ()):
-                    stamp = event["payload"].get("finished_at") or event["payload"].get("sent_at")
-                    samples[index].append((event["seq"], event["kind"], stamp, now))
+                received[index].append((time.time(), raw))
         except websockets.ConnectionClosed:
             pass
 
     readers = [asyncio.create_task(read(i, ws)) for i, ws in enumerate(sockets)]
     while not stop.is_set():
         await asyncio.sleep(0.1)
+    cpu_s = time.process_time() - cpu_start
     for ws in sockets:
         await ws.close()
     await asyncio.gather(*readers)
+    return received, cpu_s
+
+
+CLIENTS = {"lean": _watch_lean, "websockets": _watch_websockets}
+
+
+def _samples(received: list[tuple[float, bytes | str]]) -> list[tuple]:
+    samples = []
+    for now, raw in received:
+        for event in json.loads(raw).get("events", ()):
+            stamp = event["payload"].get("finished_at") or event["payload"].get("sent_at")
+            samples.append((event["seq"], event["kind"], stamp, now))
     return samples
 
 
-def _viewer_process(url: str, token: str, count: int, ready, stop, results) -> None:
-    results.put(asyncio.run(_watch(url, token, count, ready, stop)))
+def _viewer_process(client: str, url: str, token: str, count: int, ready, stop, results) -> None:
+    import uvloop
+
+    headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
+    # The lean client reads on uvloop, as the server does (half the client CPU per frame of asyncio's
+    # own loop here); the websockets client keeps asyncio's loop, as this benchmark always ran it.
+    run = uvloop.run if client == "lean" else asyncio.run
+    received, cpu_s = run(CLIENTS[client](url, headers, count, ready, stop))
+    results.put(([_samples(per_client) for per_client in received], sum(map(len, received)), cpu_s))
 
 
 class Viewers:
     """N websocket clients of one task spread over a few processes, so the measuring clients do not
-    share one interpreter; each records (seq, kind, finished_at or sent_at, received_at)."""
+    share one interpreter; each records (seq, kind, finished_at or sent_at, received_at). Also
+    measured while they watch: the CPU seconds of the server process and of the clients."""
 
-    def __init__(self, url: str, token: str, count: int, processes: int = 4) -> None:
+    def __init__(self, url: str, token: str, count: int, *, client: str, server_pid: int, processes: int = 4) -> None:
         import multiprocessing
+
+        import psutil
 
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
         self.results = context.Queue()
         sizes = [count // processes + (1 if i < count % processes else 0) for i in range(min(processes, count))]
         self.ready = [context.Event() for _ in sizes]
-        self.workers = [context.Process(target=_viewer_process, args=(url, token, size, ready, self.stop, self.results),
+        self.workers = [context.Process(target=_viewer_process, args=(client, url, token, size, ready, self.stop, self.results),
                                         daemon=True) for size, ready in zip(sizes, self.ready, strict=True)]
         self.samples: list[list[tuple]] = []
+        self.server = psutil.Process(server_pid)
+        self.server_cpu_s = self.client_cpu_s = 0.0
+        self.frames = 0
 
     def __enter__(self):
         for worker in self.workers:
@@ -144,12 +289,21 @@ class Viewers:
             if not ready.wait(180):
                 raise SystemExit("the viewers did not all connect")
         time.sleep(0.5)
+        self.server_cpu_s = -self._server_cpu()
         return self
 
+    def _server_cpu(self) -> float:
+        times = self.server.cpu_times()
+        return times.user + times.system
+
     def __exit__(self, *exc):
+        self.server_cpu_s += self._server_cpu()
         self.stop.set()
         for _ in self.workers:
-            self.samples.extend(self.results.get(timeout=120))
+            samples, frames, cpu_s = self.results.get(timeout=120)
+            self.samples.extend(samples)
+            self.frames += frames
+            self.client_cpu_s += cpu_s
         for worker in self.workers:
             worker.join(timeout=30)
 
@@ -197,28 +351,46 @@ def run_baseline(task_id: int, count: int, size: int, interval_s: float) -> None
     async_to_sync(send_all)()
 
 
-def measure(*, viewers: int, turns: int, step_delay_s: float, port: int, owner, repository, sandbox) -> None:
+def in_order(samples: list[list[tuple]], count: int) -> bool:
+    """Every viewer got events 0..count-1, each once, in order."""
+    return all([seq for seq, *_ in per_viewer] == list(range(count)) for per_viewer in samples)
+
+
+def cpu_line(watching: Viewers) -> str:
+    per_frame = 1e6 / max(1, watching.frames)
+    return (f"{watching.frames} frames; CPU per frame delivered: server {watching.server_cpu_s * per_frame:.0f} us, "
+            f"clients {watching.client_cpu_s * per_frame:.0f} us")
+
+
+def measure(*, viewers: int, turns: int, step_delay_s: float, port: int, owner, repository, sandbox, client: str,
+            server_pid: int) -> None:
     from webapp.accounts.services import api_token_get_or_create
+    from webapp.agents.models import AgentTask
     from webapp.agents.services import task_create
 
     token = api_token_get_or_create(user=owner)
     baseline_task = task_create(owner=owner, prompt="baseline", repository=repository, backend="scripted", enqueue=False)
-    with Viewers(f"ws://127.0.0.1:{port}/ws/tasks/{baseline_task.pk}/events/?after=-1", token, viewers) as watching:
+    with Viewers(f"ws://127.0.0.1:{port}/ws/tasks/{baseline_task.pk}/events/?after=-1", token, viewers, client=client,
+                 server_pid=server_pid) as base_watching:
         run_baseline(baseline_task.pk, count=2 * turns, size=300, interval_s=max(0.01, step_delay_s / 2))
         time.sleep(2.0 + viewers / 50)  # let the slowest viewer drain
-    baseline = watching.latencies("baseline")
+    baseline = base_watching.latencies("baseline")
 
     task = task_create(owner=owner, prompt="benchmark", repository=repository, backend="scripted", enqueue=False)
-    with Viewers(f"ws://127.0.0.1:{port}/ws/tasks/{task.pk}/events/?after=-1", token, viewers) as watching:
+    with Viewers(f"ws://127.0.0.1:{port}/ws/tasks/{task.pk}/events/?after=-1", token, viewers, client=client,
+                 server_pid=server_pid) as watching:
         run_product_path(task.pk, sandbox, turns, step_delay_s)
         time.sleep(2.0 + viewers / 50)  # let the slowest viewer drain
     latencies = watching.latencies("tool_result")
     expected = 2 * turns * viewers
-    seqs_ok = all([s for s, *_ in per] == list(range(len(per))) for per in watching.samples)
-    print(f"-- {viewers} viewer(s), {turns} turns x 2 parallel tool calls, {step_delay_s}s per model turn; every viewer got every event in order: {seqs_ok}; "
+    print(f"-- {viewers} viewer(s), {turns} turns x 2 parallel tool calls, {step_delay_s}s per model turn, {client} client; "
+          f"every viewer got every event in order: baseline {in_order(base_watching.samples, 2 * turns)}, "
+          f"product {in_order(watching.samples, AgentTask.objects.get(pk=task.pk).last_seq + 1)}; "
           f"tool results received {len(latencies)}/{expected}")
     report(f"baseline group_send -> {viewers} viewer(s)", baseline)
+    print(f"   {cpu_line(base_watching)}")
     report(f"tool finished -> event at {viewers} viewer(s)", latencies, baseline)
+    print(f"   {cpu_line(watching)}")
 
 
 def main() -> int:
@@ -226,6 +398,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer turns (smoke run)")
     parser.add_argument("--viewers", type=int, default=500, help="concurrent viewers in the second scenario")
     parser.add_argument("--turn-delay", type=float, default=1.0, help="seconds per scripted model turn with many viewers")
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="lean",
+                        help="websocket client of the viewers (the same one in the baseline and the product path)")
+    parser.add_argument("--many-only", action="store_true", help="skip the one-viewer scenario")
     args = parser.parse_args()
 
     import django
@@ -255,10 +430,12 @@ def main() -> int:
     server = start_server(port)
     try:
         turns = 20 if args.quick else 100
-        measure(viewers=1, turns=turns, step_delay_s=0.0, port=port, owner=user, repository=repository, sandbox=sandbox)
+        common = {"port": port, "owner": user, "repository": repository, "sandbox": sandbox, "client": args.client,
+                  "server_pid": server.pid}
+        if not args.many_only:
+            measure(viewers=1, turns=turns, step_delay_s=0.0, **common)
         # Many viewers: model turns paced like a fast model (--turn-delay), tools as fast as they run.
-        measure(viewers=args.viewers, turns=max(10, turns // 5), step_delay_s=args.turn_delay, port=port, owner=user,
-                repository=repository, sandbox=sandbox)
+        measure(viewers=args.viewers, turns=max(10, turns // 5), step_delay_s=args.turn_delay, **common)
     finally:
         server.terminate()
         server.wait(timeout=15)

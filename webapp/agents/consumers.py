@@ -8,6 +8,8 @@ database, so a reconnecting browser gets exactly the events it missed.
 
 Group messages are ``{"type": "task.event", "seq": first, "last_seq": last, "text": <the client
 frame for events first..last, serialised once by the publisher>}`` and ``{"type": "task.status", ...}``.
+They reach the consumers of one server process through one subscription (``TASK_EVENTS_FANOUT``); each
+consumer forwards them in order from a task of its own, so a slow viewer only delays itself.
 
 Messages sent to the client: ``{"type": "events", "events": [{...}, ...]}`` (consecutive events,
 in order), ``{"type": "status", ...}`` and ``{"type": "backlog_done", "last_seq": n}`` once the
@@ -16,7 +18,10 @@ catch-up is complete.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from collections import deque
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
@@ -31,8 +36,12 @@ from webapp.agents.selectors import (
     task_group_name,
 )
 from webapp.core.consumers import DirectDispatchMixin
+from webapp.core.fanout import GroupFanout
+
+logger = logging.getLogger(__name__)
 
 BACKLOG_PAGE = 500
+TASK_EVENTS_FANOUT = GroupFanout(LIVE_CHANNEL_LAYER)
 
 
 @database_sync_to_async
@@ -56,7 +65,22 @@ def _status(task) -> dict:
 
 
 class TaskEventsConsumer(DirectDispatchMixin, AsyncWebsocketConsumer):
+    # Channels gives every consumer a channel of its own; on the pub/sub layer an idle one costs a
+    # subscription and no work per message (the default layer would poll Redis for each viewer).
     channel_layer_alias = LIVE_CHANNEL_LAYER
+    group: str | None = None
+    forwarder: asyncio.Task | None = None
+
+    async def __call__(self, scope, receive, send):
+        # Here rather than in disconnect(): a consumer that fails or is cancelled never gets there,
+        # and a member left in the fan-out would queue every later event of the task forever.
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.forwarder is not None:
+                self.forwarder.cancel()
+            if self.group is not None:
+                await TASK_EVENTS_FANOUT.leave(self.group, self)
 
     async def connect(self):
         user = self.scope.get("user")
@@ -73,16 +97,39 @@ class TaskEventsConsumer(DirectDispatchMixin, AsyncWebsocketConsumer):
         except ValueError:
             await self.close(code=4400)
             return
+        self.inbox: deque[dict] = deque()
+        self.inbox_ready: asyncio.Future | None = None
         self.group = task_group_name(task_id=self.task.pk)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        await TASK_EVENTS_FANOUT.join(self.group, self)
         await self.accept()
         await self._send_backlog()
         await self.send(text_data=json.dumps(await _status(self.task)))
         await self.send(text_data=json.dumps({"type": "backlog_done", "last_seq": self.last_sent}))
+        # Live messages that arrived during the backlog wait in the inbox; from here on they go out in order.
+        self.forwarder = asyncio.create_task(self._forward())
 
-    async def disconnect(self, code):
-        if getattr(self, "group", None):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+    def offer(self, message: dict) -> None:
+        self.inbox.append(message)
+        if self.inbox_ready is not None and not self.inbox_ready.done():
+            self.inbox_ready.set_result(None)
+
+    async def _forward(self) -> None:
+        try:
+            while True:
+                while self.inbox:
+                    message = self.inbox.popleft()
+                    if message["type"] == "task.event":
+                        await self._task_event(message)
+                    elif message["type"] == "task.status":
+                        await self._task_status(message)
+                self.inbox_ready = asyncio.get_running_loop().create_future()
+                await self.inbox_ready
+        except OSError:
+            pass  # the client went away; its disconnect ends this consumer
+        except Exception:
+            # Without this task the viewer would silently stop getting events: close, it reconnects.
+            logger.exception("live events of task %s stopped", self.task.pk)
+            await self.close(code=1011)
 
     async def _send_backlog(self, before: int | None = None) -> None:
         while True:
@@ -93,7 +140,7 @@ class TaskEventsConsumer(DirectDispatchMixin, AsyncWebsocketConsumer):
             if len(events) < BACKLOG_PAGE:
                 return
 
-    async def task_event(self, message):
+    async def _task_event(self, message):
         first, last = message["seq"], message["last_seq"]
         if last <= self.last_sent:
             return
@@ -104,7 +151,7 @@ class TaskEventsConsumer(DirectDispatchMixin, AsyncWebsocketConsumer):
         await self.send(text_data=message["text"])
         self.last_sent = last
 
-    async def task_status(self, message):
+    async def _task_status(self, message):
         if message["last_seq"] > self.last_sent:
             # An event message was lost (pub/sub keeps nothing): the status says how far the task is.
             await self._send_backlog()
