@@ -23,9 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.generation_workload import decode_workload
 from kernels import moe_experts
-from training.engine import EngineConfig, GenerationEngine, SamplingParams
-from training.model import ModelConfig, MoETransformer, moe
+from training.engine import EngineConfig, GenerationEngine
+from training.model import moe
 
 PATHS = {
     # name: (grouped_mm without autograd, all-experts row bound)
@@ -43,14 +44,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = ModelConfig.named(args.size, max_seq_len=1024)
-    torch.manual_seed(0)
-    model = MoETransformer(config).eval()
-    count = args.batch if args.workload == "uniform" else 4 * args.batch
-    prompts = torch.randint(8, config.vocab_size, (count, 64)).tolist()
-    lengths = [64] * count if args.workload == "uniform" else torch.randint(8, 121, (count,)).tolist()
+    model, prompts, params = decode_workload(size=args.size, workload=args.workload, batch=args.batch)
     engine = GenerationEngine(model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024))
-    params = [SamplingParams(max_tokens=n, temperature=0.0, seed=i) for i, n in enumerate(lengths)]
 
     def run(name: str) -> tuple[float, list[list[int]]]:
         moe_experts.USE_GROUPED_MM_WITHOUT_AUTOGRAD, moe.DENSE_DECODE_MAX_ROWS = PATHS[name]
@@ -66,11 +61,11 @@ def main() -> None:
             seconds, tokens[name] = run(name)
             best[name] = min(best[name], seconds)
     baseline = best["dispatch+loop"]
-    print(f"size={args.size} workload={args.workload} requests={count} batch={args.batch} "
+    print(f"size={args.size} workload={args.workload} requests={len(prompts)} batch={args.batch} "
           f"(generated tokens per CPU-second, best of {args.repeats})")
     for name, seconds in best.items():
         same = tokens[name] == tokens["dispatch+loop"]
-        print(f"{name:34s} {sum(lengths) / seconds:8.1f} tok/s  {baseline / seconds:5.2f}x  same tokens: {same}")
+        print(f"{name:34s} {sum(p.max_tokens for p in params) / seconds:8.1f} tok/s  {baseline / seconds:5.2f}x  same tokens: {same}")
 
 
 if __name__ == "__main__":

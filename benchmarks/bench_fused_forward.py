@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.engine import EngineConfig, GenerationEngine, GenerationResult, SamplingParams
-from training.model import ModelConfig, MoETransformer
+from benchmarks.generation_workload import decode_workload
+from training.engine import EngineConfig, GenerationEngine, GenerationResult
 
 
 def main() -> None:
@@ -37,15 +37,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = ModelConfig.named(args.size, max_seq_len=1024)
-    torch.manual_seed(0)
-    model = MoETransformer(config).eval()
-    count = args.batch if args.workload == "uniform" else 4 * args.batch
-    prompts = torch.randint(8, config.vocab_size, (count, 64)).tolist()
-    lengths = [64] * count if args.workload == "uniform" else torch.randint(8, 121, (count,)).tolist()
-    params = [
-        SamplingParams(max_tokens=n, temperature=args.temperature, seed=i) for i, n in enumerate(lengths)
-    ]
+    model, prompts, params = decode_workload(
+        size=args.size, workload=args.workload, batch=args.batch, temperature=args.temperature
+    )
     engines = {
         name: GenerationEngine(
             model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024, fused_forward=fused)
@@ -68,11 +62,11 @@ def main() -> None:
         abs(a - b) for r, f in zip(reference, fused, strict=True) for a, b in zip(r.logprobs, f.logprobs)
     )
     print(
-        f"size={args.size} workload={args.workload} requests={count} batch={args.batch} "
+        f"size={args.size} workload={args.workload} requests={len(prompts)} batch={args.batch} "
         f"temperature={args.temperature} (generated tokens per CPU-second, best of {args.repeats})"
     )
     for name, seconds in best.items():
-        print(f"{name:10s} {sum(lengths) / seconds:8.1f} tok/s  {best['reference'] / seconds:5.2f}x")
+        print(f"{name:10s} {sum(p.max_tokens for p in params) / seconds:8.1f} tok/s  {best['reference'] / seconds:5.2f}x")
     print(f"same tokens: {same_tokens}, largest logprob difference: {logprob_gap:.2e}")
 
 
