@@ -3,7 +3,8 @@
 Sections (each prints the figure, the bf16/PyTorch baseline measured in the same run, and the ratio):
 
 1. quantize: Triton 1x32 row quantization of a bf16 activation vs the PyTorch reference quantizer (GB/s).
-2. grouped GEMM forward: MXFP8 Triton kernel (operands pre-quantized) vs ``torch._grouped_mm`` in bf16.
+2. grouped GEMM forward: MXFP8 Triton kernel (operands pre-quantized) vs ``torch._grouped_mm`` in bf16,
+   with the weight N-major (as quantized) and K-major (as the layer runs it), and the Hopper recipe.
 3. grouped wgrad: MXFP8 Triton kernel vs ``torch._grouped_mm`` (grouped along the reduction) in bf16.
 4. MoE SwiGLU expert layer, forward + backward, quantization included: ``grouped_swiglu(precision="mxfp8")``
    on the Triton path vs the same layer in bf16 on ``torch._grouped_mm``. Goal on an H100: >= 1.5x.
@@ -21,8 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
@@ -32,7 +37,12 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F
 
 from kernels import grouped_gemm_reference as ref
-from kernels.grouped_gemm_mxfp8 import mx_grouped_mm_triton
+from kernels.fp8_blockwise import (
+    fp8_blockwise_grouped_mm_dgrad,
+    quantize_fp8_blockwise_activations,
+    quantize_fp8_blockwise_weights,
+)
+from kernels.grouped_gemm_mxfp8 import mx_grouped_mm_dgrad_triton, mx_grouped_mm_triton
 from kernels.grouped_wgrad_mxfp8 import mx_grouped_wgrad_triton
 from kernels.moe_experts import grouped_swiglu
 from kernels.mx_format import quantize_mxfp8_rows_reference
@@ -87,11 +97,11 @@ def report(name: str, fast_ms: float, base_ms: float, unit_work: float, unit: st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None, help="routed rows (tokens x top_k); GPU 16384, CPU 128")
-    parser.add_argument("--d-model", type=int, default=None, help="GPU 2048, CPU 64")
-    parser.add_argument("--d-ff", type=int, default=None, help="expert hidden width; GPU 1408, CPU 64")
+    parser.add_argument("--d-model", type=int, default=None, help="GPU 2048, CPU 128")
+    parser.add_argument("--d-ff", type=int, default=None, help="expert hidden width; GPU 1408, CPU 128")
     parser.add_argument("--experts", type=int, default=None, help="GPU 16, CPU 4")
     args = parser.parse_args()
-    defaults = (16384, 2048, 1408, 16) if ON_GPU else (128, 64, 64, 4)
+    defaults = (16384, 2048, 1408, 16) if ON_GPU else (128, 128, 128, 4)  # 128: the Hopper recipe's block
     tokens, d_model, d_ff, experts = (
         value if value is not None else default
         for value, default in zip((args.tokens, args.d_model, args.d_ff, args.experts), defaults, strict=True)
@@ -130,6 +140,24 @@ def main() -> None:
     flops = 2.0 * tokens * d_model * 2 * d_ff
     report("grouped GEMM fwd (gate+up)", fast, base, flops, "TFLOP/s",
            f"vs emulated {check:.0f} dB")
+
+    # 2b. the forward as the layer runs it: the weight quantized from a K-major copy [E, N, K] (FP8 tensor
+    # cores take only K-major operands), multiplied as x @ w_t[e].T by the dgrad launcher
+    w_t_rows = quantize_mxfp8_rows(w_gate_up.transpose(1, 2).contiguous())
+    fast = time_ms(lambda: mx_grouped_mm_dgrad_triton(x_rows, w_t_rows, offsets, out_dtype=torch.bfloat16),
+                   repeats=repeats)
+    check = sqnr_db(mx_grouped_mm_triton(x_rows, w_cols, offsets), mx_grouped_mm_dgrad_triton(x_rows, w_t_rows, offsets))
+    report("grouped GEMM fwd, K-major w", fast, base, flops, "TFLOP/s", f"vs N-major kernel {check:.0f} dB")
+
+    # 2c. the Hopper recipe (1x128 activations, 128x128 weights, fp32 scales), K-major weight copy
+    x_blocks = quantize_fp8_blockwise_activations(x)
+    w_t_blocks = quantize_fp8_blockwise_weights(w_gate_up.transpose(1, 2).contiguous())
+    fast = time_ms(lambda: fp8_blockwise_grouped_mm_dgrad(x_blocks, w_t_blocks, offsets, out_dtype=torch.bfloat16),
+                   repeats=repeats)
+    exact = torch.cat([x[a:b].float() @ w_gate_up[e] for e, (a, b) in enumerate(zip(
+        offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))])
+    check = sqnr_db(exact, fp8_blockwise_grouped_mm_dgrad(x_blocks, w_t_blocks, offsets))
+    report("Hopper-recipe fwd, K-major w", fast, base, flops, "TFLOP/s", f"vs fp32 {check:.1f} dB")
 
     # 3. grouped wgrad
     dy = torch.randn(tokens, 2 * d_ff, generator=generator).to(DEVICE, torch.bfloat16)

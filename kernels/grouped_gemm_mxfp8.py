@@ -56,7 +56,7 @@ def _decode_scale(
 
 @triton.jit
 def _scaled_slice_product(
-    a_bits,  # uint8 [BLOCK_M, SLICE] E4M3 bits of the left operand
+    a_bits,  # uint8 [BLOCK_M, SLICE] E4M3 bits of the left operand (SLICE: the reduction elements of one scale)
     b_bits,  # uint8 [SLICE, BLOCK_N] E4M3 bits of the right operand
     a_scale,  # fp32 [BLOCK_M] scale of each left row over this slice
     b_scale,  # fp32 [BLOCK_N] scale of each right column over this slice
@@ -103,11 +103,13 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < row_end
     col_mask = cols < n_cols
-    slice_offsets = tl.arange(0, 32)
+    # One slice per scale block: 32 wide for MX; 128 for the Hopper recipe, whose FP8 dot then accumulates
+    # four k32 tensor-core steps before the fp32 scaling (a quarter of MX's scaling work).
+    slice_offsets = tl.arange(0, SCALE_BLOCK_K)
     b_base = b_ptr + expert * stride_b_e
     b_scale_base = b_scales_ptr + expert * stride_bs_e + (cols // SCALE_BLOCK_N) * stride_bs_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, reduction, 32):
+    for k0 in range(0, reduction, SCALE_BLOCK_K):
         ks = k0 + slice_offsets
         a_bits = tl.load(a_ptr + rows[:, None] * stride_a_row + ks[None, :], mask=row_mask[:, None], other=0)
         b_bits = tl.load(
@@ -149,10 +151,22 @@ def grouped_gemm_launch(
     scale_block_k: int,
     scale_block_n: int,
     out_dtype: torch.dtype,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Shared launcher. b_data is [E, K, N] (``b_transposed``: [E, N, K], reduction along its last dim)."""
+    """Shared launcher. b_data is [E, K, N] (``b_transposed``: [E, N, K], reduction along its last dim).
+
+    block_m / block_n: output tile; num_warps / num_stages: Triton launch options (pipelining depth).
+    Left at None they take the fastest of a sweep on an H100 (BENCHMARKS.md, "MXFP8 kernels"), which
+    differs by the layout of b: FP8 tensor cores (wgmma) take only K-major operands, so with b [E, K, N]
+    (N contiguous) Triton falls back to slower instructions and prefers other tiles.
+    """
+    default_tile = (64, 128, 4) if b_transposed else (128, 64, 3)
+    block_m = default_tile[0] if block_m is None else block_m
+    block_n = default_tile[1] if block_n is None else block_n
+    num_stages = default_tile[2] if num_stages is None else num_stages
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be fp32 or bf16, got {out_dtype}.")
     if a_data.stride(-1) != 1 or a_scales.stride(-1) != 1:
@@ -193,6 +207,7 @@ def grouped_gemm_launch(
         stride_b_e, stride_b_k, stride_b_n, stride_bs_e, stride_bs_k, stride_bs_n,
         BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK_K=scale_block_k, SCALE_BLOCK_N=scale_block_n,
         SCALES_E8M0=a_scales.dtype == torch.uint8, DOT_MODE=dot_mode_for(a_data.device),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

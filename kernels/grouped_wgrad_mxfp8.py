@@ -36,7 +36,7 @@ def _grouped_wgrad_kernel(
     BLOCK_N: tl.constexpr,  # columns of dW per program
     TOKEN_BLOCK: tl.constexpr,  # tokens sharing one scale: 32 (MX) or 128 (Hopper recipe)
     SCALES_E8M0: tl.constexpr,  # True: uint8 E8M0 scales; False: fp32 scales
-    DOT_MODE: tl.constexpr,  # how each scaled 32-token slice is multiplied
+    DOT_MODE: tl.constexpr,  # how each scaled slice of TOKEN_BLOCK tokens is multiplied
 ):
     expert = tl.program_id(0)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -46,10 +46,11 @@ def _grouped_wgrad_kernel(
     token_start = tl.load(offsets_ptr + expert)
     token_end = tl.load(offsets_ptr + expert + 1)
     first_block = tl.load(block_base_ptr + expert)
-    slice_offsets = tl.arange(0, 32)
+    # One slice per scale block (32 tokens for MX, 128 for the Hopper recipe); an expert's last one may be partial.
+    slice_offsets = tl.arange(0, TOKEN_BLOCK)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for block in range(tl.cdiv(token_end - token_start, 32)):
-        tokens = token_start + block * 32 + slice_offsets
+    for block in range(tl.cdiv(token_end - token_start, TOKEN_BLOCK)):
+        tokens = token_start + block * TOKEN_BLOCK + slice_offsets
         token_mask = tokens < token_end
         a_bits = tl.load(
             a_ptr + tokens[None, :] * stride_a_row + ks[:, None], mask=token_mask[None, :] & k_mask[:, None], other=0
@@ -57,7 +58,7 @@ def _grouped_wgrad_kernel(
         g_bits = tl.load(
             g_ptr + tokens[:, None] * stride_g_row + ns[None, :], mask=token_mask[:, None] & n_mask[None, :], other=0
         )
-        scale_row = first_block + (block * 32) // TOKEN_BLOCK
+        scale_row = first_block + block
         a_scale = _decode_scale(tl.load(a_scales_ptr + scale_row * n_k + ks, mask=k_mask, other=1), SCALES_E8M0)
         g_scale = _decode_scale(tl.load(g_scales_ptr + scale_row * n_n + ns, mask=n_mask, other=1), SCALES_E8M0)
         acc += _scaled_slice_product(a_bits, g_bits, a_scale, g_scale, DOT_MODE)
@@ -110,14 +111,16 @@ def grouped_wgrad_launch(
     offsets: torch.Tensor,
     token_block: int,
     out_dtype: torch.dtype = torch.float32,
-    block_k: int = 64,
+    block_k: int = 128,  # 128 x 64 tiles: the fastest of a sweep on an H100 (BENCHMARKS.md)
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Shared launcher: scales are [T // token_block + E, features], block rows restarting per expert."""
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be fp32 or bf16, got {out_dtype}.")
-    if token_block % 32:
-        raise ValueError(f"token_block must be a multiple of 32 (the kernel's slice), got {token_block}.")
+    if token_block not in (32, 128):
+        raise ValueError(f"token_block must be 32 (MX) or 128 (Hopper recipe): one kernel slice each; got {token_block}.")
     if a_scales.dtype != g_scales.dtype or a_scales.dtype not in (torch.uint8, torch.float32):
         raise ValueError(f"both scales must be uint8 E8M0 or both fp32, got {a_scales.dtype} and {g_scales.dtype}.")
     total_rows, n_k = a_data.shape
@@ -135,6 +138,6 @@ def grouped_wgrad_launch(
         a_data.view(torch.uint8), a_scales, g_data.view(torch.uint8), g_scales, out,
         offsets.to(torch.int32), table.block_base, n_k, n_n, a_data.stride(0), g_data.stride(0),
         BLOCK_K=block_k, BLOCK_N=block_n, TOKEN_BLOCK=token_block, SCALES_E8M0=a_scales.dtype == torch.uint8,
-        DOT_MODE=dot_mode_for(a_data.device),
+        DOT_MODE=dot_mode_for(a_data.device), num_warps=num_warps, num_stages=num_stages,
     )
     return out

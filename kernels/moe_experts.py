@@ -12,10 +12,14 @@ quantizes along the reduction axis of each backward GEMM *from the high-precisio
 =========  ===============================  ===========================================
 GEMM       left operand                     right operand
 =========  ===============================  ===========================================
-forward    activations, 1x32 along K        weights [E, K, N], 32x1 along K
+forward    activations, 1x32 along K        weights, 32x1 along K, stored K-major [E, N, K]
 dgrad      output grad, 1x32 along N        weights [E, K, N], 1x32 along N (transposed)
 wgrad      activations, 32x1 along tokens   output grad, 32x1 along tokens (per expert)
 =========  ===============================  ===========================================
+
+The forward weight is quantized from a transposed copy ([E, N, K], 1x32 along K: the same blocks and
+bits as 32x1 along K of [E, K, N]) and multiplied as ``x @ w_t[e].T``: FP8 tensor cores on Hopper take
+only K-major operands, and with N-major weights the kernel ran at a fraction of the speed (BENCHMARKS.md).
 
 Where the GEMMs run ("backend"): "reference" dequantizes the MXFP8 operands and multiplies in fp32
 with PyTorch (identical quantization bits, so CPU training has the same numerics as the GPU);
@@ -100,19 +104,19 @@ def _triton_importable() -> bool:
 
 @dataclass(frozen=True)
 class MXFP8Ops:
-    """The five MXFP8 primitives the expert layer needs, from one backend."""
+    """The four MXFP8 primitives the expert layer needs, from one backend."""
 
     quantize_rows: Callable[..., MXTensor]
     quantize_cols: Callable[..., MXTensor]
-    grouped_mm: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
     grouped_mm_dgrad: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
+    """``a[rows of e] @ b[e].T`` with both operands 1x32 along the reduction: the forward (b = the
+    K-major weight copy) and dgrad (b = the weight itself) GEMMs."""
     grouped_wgrad: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
 
 
 REFERENCE_OPS = MXFP8Ops(
     quantize_rows=quantize_mxfp8_rows_reference,
     quantize_cols=quantize_mxfp8_cols_reference,
-    grouped_mm=gemm_ref.mx_grouped_mm_emulated,
     grouped_mm_dgrad=gemm_ref.mx_grouped_mm_dgrad_emulated,
     grouped_wgrad=gemm_ref.mx_grouped_wgrad_emulated,
 )
@@ -121,17 +125,21 @@ REFERENCE_OPS = MXFP8Ops(
 def mxfp8_ops(backend: str) -> MXFP8Ops:
     if backend == "reference":
         return REFERENCE_OPS
-    from kernels.grouped_gemm_mxfp8 import mx_grouped_mm_dgrad_triton, mx_grouped_mm_triton
+    from kernels.grouped_gemm_mxfp8 import mx_grouped_mm_dgrad_triton
     from kernels.grouped_wgrad_mxfp8 import mx_grouped_wgrad_triton
     from kernels.quantize_mxfp8 import quantize_mxfp8_cols, quantize_mxfp8_rows
 
     return MXFP8Ops(
         quantize_rows=quantize_mxfp8_rows,
         quantize_cols=quantize_mxfp8_cols,
-        grouped_mm=mx_grouped_mm_triton,
         grouped_mm_dgrad=mx_grouped_mm_dgrad_triton,
         grouped_wgrad=mx_grouped_wgrad_triton,
     )
+
+
+def _quantize_k_major(ops: MXFP8Ops, weight: torch.Tensor, scale_mode: ScaleMode) -> MXTensor:
+    """[E, K, N] weight -> MXFP8 [E, N, K] with 1x32 blocks along K, for ``x @ w_t[e].T``."""
+    return ops.quantize_rows(weight.transpose(1, 2).contiguous(), scale_mode=scale_mode)
 
 
 class MXFP8GroupedSwiGLU(torch.autograd.Function):
@@ -149,11 +157,11 @@ class MXFP8GroupedSwiGLU(torch.autograd.Function):
         d_ff = w_gate.shape[2]
         w_gate_up = torch.cat([w_gate, w_up], dim=2)
         x_rows = ops.quantize_rows(x, scale_mode=scale_mode)
-        gate_up = ops.grouped_mm(x_rows, ops.quantize_cols(w_gate_up, scale_mode=scale_mode), offsets)
+        gate_up = ops.grouped_mm_dgrad(x_rows, _quantize_k_major(ops, w_gate_up, scale_mode), offsets)
         gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
         hidden = F.silu(gate) * up
         hidden_rows = ops.quantize_rows(hidden, scale_mode=scale_mode)
-        out = ops.grouped_mm(hidden_rows, ops.quantize_cols(w_down, scale_mode=scale_mode), offsets)
+        out = ops.grouped_mm_dgrad(hidden_rows, _quantize_k_major(ops, w_down, scale_mode), offsets)
         ctx.save_for_backward(x, offsets, w_gate_up, w_down, gate_up)
         ctx.ops, ctx.scale_mode, ctx.weight_dtypes = ops, scale_mode, (w_gate.dtype, w_up.dtype, w_down.dtype)
         return out.to(x.dtype)

@@ -103,9 +103,10 @@ def _round_to_e4m3_grid(
     normal = ((bits + 0x7FFFF + kept_lsb) & -1048576).to(tl.float32, bitcast=True)
     subnormal = (magnitude + E4M3_SUBNORMAL_ROUNDER_C) - E4M3_SUBNORMAL_ROUNDER_C
     rounded = tl.where(magnitude < E4M3_MIN_NORMAL_C, subnormal, normal)
-    # The sign bit, not `scaled < 0`, so that -0.0 stays -0.0 as in torch's cast.
-    negative = scaled.to(tl.int32, bitcast=True) < 0
-    return tl.where(negative, -rounded, rounded)
+    # Copy the sign bit with integer ops: on the GPU `-rounded` compiles to `0 - rounded`, which turns a
+    # negative value that rounds to zero into +0.0, while torch's cast (the reference) keeps -0.0.
+    sign_bit = (scaled.to(tl.int32, bitcast=True) >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
 
 
 @triton.jit

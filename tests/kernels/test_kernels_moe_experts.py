@@ -1,5 +1,13 @@
 """kernels.moe_experts.grouped_swiglu: fp32/bf16 paths, the MXFP8 autograd.Function (reference and
-Triton backends), and the model's precision="mxfp8" option."""
+Triton backends), and the model's precision="mxfp8" option.
+
+Triton backend vs reference backend, whole layer: >= 60 dB SQNR under the interpreter (same fp32
+summation order), >= 45 dB on a GPU. There the tensor cores sum in another order, and the layer
+re-quantizes its intermediates (h, grad_h): an fp32 difference in the last bit can move an element
+across an E4M3 rounding boundary (one E4M3 step is 6-12 %). Measured on an H100: 51-69 dB per
+output; both backends are 23.1-23.7 dB from fp32 there, so 45 dB is still ~20 dB below the MXFP8
+noise itself.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from kernels.numerics import sqnr_db
 from tests.kernels.helpers import DEVICE, requires_triton
 
 N_EXPERTS, D_MODEL, D_FF = 4, 64, 96
+TRITON_VS_REFERENCE_DB = 45.0 if DEVICE.type == "cuda" else 60.0
 
 
 def make_layer(n_tokens: int, *, seed: int = 0):
@@ -110,7 +119,7 @@ def test_triton_backend_matches_reference_backend():
     reference = run("mxfp8", layer[0], offsets, *layer[1:], backend="reference")
     triton_run = run("mxfp8", layer[0], offsets, *layer[1:], backend="triton")
     for e, a in zip(reference, triton_run, strict=True):
-        assert sqnr_db(e, a) >= 60.0
+        assert sqnr_db(e, a) >= TRITON_VS_REFERENCE_DB
 
 
 @requires_triton
@@ -121,7 +130,7 @@ def test_triton_backend_forced_by_environment(monkeypatch):
     offsets = offsets_of(40, 0, 0, 0)
     forced = run("mxfp8", layer[0], offsets, *layer[1:])
     reference = run("mxfp8", layer[0], offsets, *layer[1:], backend="reference")
-    assert sqnr_db(reference[0], forced[0]) >= 60.0
+    assert sqnr_db(reference[0], forced[0]) >= TRITON_VS_REFERENCE_DB
 
 
 def test_bf16_input_under_autocast_keeps_fp32_gemm_numerics():
@@ -155,7 +164,7 @@ def test_inference_without_autograd_equals_the_training_path(precision, sizes):
 def test_no_tokens_at_all(precision):
     x, w_gate, w_up, w_down, _ = make_layer(0)
     offsets = offsets_of(0, 0, 0, 0)
-    out, grad_x, grad_w_gate, _, grad_w_down = run(precision, x, offsets, w_gate, w_up, w_down, torch.zeros(0, D_MODEL))
+    out, grad_x, grad_w_gate, _, grad_w_down = run(precision, x, offsets, w_gate, w_up, w_down, torch.zeros(0, D_MODEL, device=DEVICE))
     assert out.shape == (0, D_MODEL) and grad_x.shape == (0, D_MODEL)
     assert torch.count_nonzero(grad_w_gate) == 0 and torch.count_nonzero(grad_w_down) == 0
 
@@ -169,8 +178,9 @@ def test_bad_arguments_get_clear_errors(monkeypatch):
         grouped_swiglu(x, offsets, w_gate, w_up, w_down.transpose(1, 2), precision="fp32")
     with pytest.raises(ValueError, match="offsets must be"):
         grouped_swiglu(x, offsets[:-1], w_gate, w_up, w_down, precision="fp32")
-    with pytest.raises(ValueError, match="end at the number of rows"):
-        grouped_swiglu(x, offsets_of(5, 0, 0, 0), w_gate, w_up, w_down, precision="fp32")
+    if DEVICE.type == "cpu":  # CUDA offsets are not read back: that would cost a host sync per layer call
+        with pytest.raises(ValueError, match="end at the number of rows"):
+            grouped_swiglu(x, offsets_of(5, 0, 0, 0), w_gate, w_up, w_down, precision="fp32")
     with pytest.raises(ValueError, match="multiples of 32"):
         grouped_swiglu(x[:, :40], offsets, w_gate[:, :40], w_up[:, :40], w_down[:, :, :40], precision="mxfp8")
     with pytest.raises(ValueError, match="backend='cuda' is unknown"):

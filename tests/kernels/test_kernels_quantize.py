@@ -123,7 +123,9 @@ def test_launchers_reject_bad_inputs(monkeypatch):
     with pytest.raises(ValueError, match="K % 32 == 0"):
         quantize.quantize_mxfp8_cols(torch.randn(2, 20, 32, device=DEVICE))
     with pytest.raises(ValueError, match="end at the number of rows"):
-        quantize.quantize_mxfp8_cols(torch.randn(8, 32), offsets=torch.tensor([0, 3, 7], dtype=torch.int32))
+        quantize.quantize_mxfp8_cols(
+            torch.randn(8, 32, device=DEVICE), offsets=torch.tensor([0, 3, 7], dtype=torch.int32)
+        )
     bad = MXTensor(data=torch.zeros(2, 32, dtype=torch.uint8), scales=torch.zeros(2, 1, dtype=torch.uint8), axis="rows")
     with pytest.raises(ValueError, match="float8_e4m3fn data"):
         quantize.dequantize_mxfp8(bad)
