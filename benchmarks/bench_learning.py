@@ -6,6 +6,7 @@ training curves (reward, pass rate, tool calls per turn, staleness) from the dri
 
     .venv/bin/python benchmarks/bench_learning.py --init-checkpoint var/runs/sft/checkpoints/step-00000100 \\
         --minutes 60 --heldout 100 --attempts 4 --run-dir var/runs/learning
+    .venv/bin/python benchmarks/bench_learning.py --evaluate-only models/demo --disable-tools semantic_search
 
 Goal: pass@1 after - before >= 15 points with the 95 % interval of the difference above zero,
 within 60 minutes on the 2-core development machine. The final checkpoint is the one to ship as the
@@ -29,9 +30,9 @@ from training.rollout.driver import METRICS_FILE, AsyncRLConfig, read_jsonl, run
 from training.train.state import latest_checkpoint
 
 
-def evaluate(checkpoint: str, args: argparse.Namespace, exclude_tools: tuple[str, ...] = ()) -> dict:
+def evaluate(checkpoint: str, args: argparse.Namespace, disable_tools: tuple[str, ...] = ()) -> dict:
     config = BenchConfig(
-        exclude_tools=exclude_tools,
+        disable_tools=disable_tools,
         suite=f"toy-heldout-{args.heldout}",
         policy=f"checkpoint:{checkpoint}",
         attempts=args.attempts,
@@ -72,13 +73,23 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
+                        help="only evaluate CHECKPOINT on the held-out tasks (no training)")
+    parser.add_argument("--disable-tools", default="",
+                        help="with --evaluate-only: comma-separated tools refused when called")
     args = parser.parse_args()
-    if args.init_checkpoint is None:
+    if args.init_checkpoint is None and args.evaluate_only is None:
         # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
         print(
             "bench_learning: not run. It needs an SFT checkpoint and ~60 minutes: "
             "benchmarks/bench_learning.py --init-checkpoint PATH [--minutes 60]"
         )
+        return
+
+    if args.evaluate_only:
+        # One held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation of a run).
+        disabled = tuple(name for name in args.disable_tools.split(",") if name)
+        print(json.dumps(evaluate(args.evaluate_only, args, disabled), indent=2))
         return
 
     started = time.monotonic()
@@ -109,6 +120,8 @@ def main() -> None:
     training_minutes = (time.monotonic() - training_started) / 60
     final = latest_checkpoint(args.run_dir)
     after = evaluate(str(final), args) if final is not None else None
+    # semantic_search stays in the prompt and is refused when called (removing it from the offer changes
+    # the prompt, and the tiny model then stops calling tools at all: that measured the prompt, not the tool).
     after_without_search = evaluate(str(final), args, ("semantic_search",)) if final is not None else None
     metrics = read_jsonl(Path(args.run_dir) / METRICS_FILE)
     curves = {

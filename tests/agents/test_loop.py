@@ -75,6 +75,30 @@ def test_malformed_arguments_are_reported_to_the_model_not_run(local_sandbox):
     assert result.status == "succeeded"
 
 
+def test_a_disabled_tool_is_offered_but_refused_when_called(local_sandbox):
+    offered = []
+
+    class RecordingPolicy(ScriptedExpertPolicy):
+        def complete(self, *, tools, **kwargs):
+            offered.append({tool["function"]["name"] for tool in tools})
+            return super().complete(tools=tools, **kwargs)
+
+    policy = RecordingPolicy(
+        turns=[ScriptedTurn("look", (("semantic_search", {"query": "main"}), ("read_file", {"path": "README.md"})))],
+        final_message="done",
+    )
+    result = run_agent(
+        sandbox=local_sandbox, policy=policy, prompt="look around", limits=AgentLimits(),
+        disabled_tools=("semantic_search",),
+    )
+    results = {e["payload"]["name"]: e["payload"] for e in result.events if e["kind"] == "tool_result"}
+    assert all("semantic_search" in names for names in offered)  # the prompt keeps the tool
+    assert results["semantic_search"]["ok"] is False
+    assert "disabled in this run" in results["semantic_search"]["output"]
+    assert results["read_file"]["ok"] is True  # the other call of the same turn still runs
+    assert result.status == "succeeded"
+
+
 def test_should_stop_cancels_between_steps(local_sandbox):
     calls = {"n": 0}
 

@@ -355,3 +355,14 @@ def test_benchmark_without_a_tool_never_offers_it(owner, state_dir):
         call_command(
             "bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, exclude_tools="nope"
         )
+
+
+def test_benchmark_with_a_disabled_tool_keeps_the_prompt_and_counts_calls(owner, state_dir):
+    call_command("bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, disable_tools="run_terminal")
+    run = BenchmarkRun.objects.get()
+    assert run.policy_label == "scripted (run_terminal disabled)"
+    assert run.summary["options"]["disable_tools"] == ["run_terminal"]
+    calls = run.summary["calls_by_tool"]
+    assert calls and sum(calls.values()) > 0 and "read_file" in calls
+    with pytest.raises(Exception, match="disable_tools names unknown tools"):
+        call_command("bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, disable_tools="nope")

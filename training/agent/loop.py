@@ -21,7 +21,7 @@ them in ``AgentResult.events`` (webapp.agents.services.rollout_record stores the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,12 +88,17 @@ def run_agent(
     should_stop: Callable[[], str | None] | None = None,
     system_prompt: str = SYSTEM_PROMPT,
     first_seq: int = 0,
+    disabled_tools: Collection[str] = (),
 ) -> AgentResult:
     """Run the agent until it answers without tool calls, a limit is hit, or ``should_stop``
     returns a reason (checked before every model call and tool batch; status ``cancelled``).
 
     Events are numbered from ``first_seq``. ``on_event`` may raise ``AgentStopped`` to abort; the
     run then ends with status ``failed`` and the exception's message as reason.
+
+    ``disabled_tools`` are still offered (the prompt stays the same) but every call to one is answered
+    with an error instead of running: an ablation that measures what a tool's results add without
+    changing what the model sees before it calls it.
     """
     if not prompt or not prompt.strip():
         raise ValueError("run_agent needs a non-empty prompt")
@@ -207,6 +212,8 @@ def run_agent(
                                    if arguments is not None else call.arguments_json, "index": index, "count": count})
                 if problem:
                     refused[call.id] = problem
+                elif call.name in disabled_tools:
+                    refused[call.id] = f"the tool {call.name} is disabled in this run"
                 else:
                     runnable.append(ToolCall(id=call.id, name=call.name, arguments=arguments))
             results = {result.call_id: result for result in execute_tool_calls(sandbox=sandbox, calls=runnable)} if runnable else {}

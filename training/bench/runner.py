@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -58,7 +59,11 @@ class BenchConfig:
     api_key: str = ""
     """Key for openai: policies; empty reads OPENAI_API_KEY."""
     exclude_tools: tuple[str, ...] = ()
-    """Tools never offered to the policy (e.g. ("semantic_search",) to measure what it adds)."""
+    """Tools never offered to the policy. This changes the prompt itself (the tool list is part of it),
+    so a model trained with the full list may behave differently for that reason alone."""
+    disable_tools: tuple[str, ...] = ()
+    """Tools offered as usual but refused with an error when called: the prompt stays identical, so
+    the comparison isolates what the tool's results add (e.g. ("semantic_search",))."""
 
     def __post_init__(self) -> None:
         suite_tasks_count(self.suite)
@@ -82,9 +87,10 @@ class BenchConfig:
         from sandboxes.tools import openai_tool_schemas
 
         known = {schema["function"]["name"] for schema in openai_tool_schemas()}
-        unknown = sorted(set(self.exclude_tools) - known)
-        if unknown:
-            raise BenchConfigError(f"exclude_tools names unknown tools {unknown}; known: {sorted(known)}")
+        for field_name in ("exclude_tools", "disable_tools"):
+            unknown = sorted(set(getattr(self, field_name)) - known)
+            if unknown:
+                raise BenchConfigError(f"{field_name} names unknown tools {unknown}; known: {sorted(known)}")
 
     @property
     def policy_kind(self) -> str:
@@ -138,6 +144,7 @@ class TaskOutcome:
     infrastructure_failures: int = 0
     tokens: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
+    calls_by_tool: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -230,7 +237,8 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
             return
         try:
             result = run_agent(
-                sandbox=sandbox, policy=make_policy(task, index), prompt=task.prompt, limits=limits
+                sandbox=sandbox, policy=make_policy(task, index), prompt=task.prompt, limits=limits,
+                disabled_tools=config.disable_tools,
             )
             if result.infrastructure_error:
                 outcome.infrastructure_failures += 1
@@ -245,7 +253,9 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
         outcome.attempts += 1
         outcome.passes += int(reward.passed)
         outcome.tokens.append(result.completion_tokens)
-        outcome.tool_calls.append(sum(1 for event in result.events if event["kind"] == "tool_call"))
+        calls = [event["payload"]["name"] for event in result.events if event["kind"] == "tool_call"]
+        outcome.tool_calls.append(len(calls))
+        outcome.calls_by_tool.update(calls)
 
     jobs = [(task, index) for task in tasks for index in range(config.attempts)]
     try:
@@ -276,6 +286,7 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
         "k": k,
         "mean_tokens": sum(all_tokens) / len(all_tokens) if all_tokens else 0.0,
         "mean_tool_calls": sum(all_calls) / len(all_calls) if all_calls else 0.0,
+        "calls_by_tool": dict(sum((o.calls_by_tool for o in scored), Counter())),
         "wall_s": time.monotonic() - started,
         "per_task": rows,
     }

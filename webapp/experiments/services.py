@@ -459,6 +459,7 @@ def _bench_config(*, suite: str, policy: str, attempts: int, options: dict | Non
 
     options = dict(options or {})
     options["exclude_tools"] = tuple(options.get("exclude_tools") or ())
+    options["disable_tools"] = tuple(options.get("disable_tools") or ())
     try:
         config = BenchConfig(
             suite=suite,
@@ -487,7 +488,7 @@ def benchmark_run_create(
 ) -> BenchmarkRun:
     """Store a queued benchmark run (validated) and, by default, enqueue its Celery task.
 
-    `options` are further BenchConfig fields (turn limits, temperature, exclude_tools); they are
+    `options` are further BenchConfig fields (turn limits, temperature, exclude_tools, disable_tools); they are
     stored with the run so the Celery task evaluates exactly what was asked.
     """
     options = dict(options or {})
@@ -499,6 +500,8 @@ def benchmark_run_create(
         label = policy.split(":", 1)[1]
     if config.exclude_tools:
         label += f" (without {', '.join(config.exclude_tools)})"
+    if config.disable_tools:
+        label += f" ({', '.join(config.disable_tools)} disabled)"
     run = BenchmarkRun.objects.create(
         owner=owner,
         team=team,
@@ -509,7 +512,14 @@ def benchmark_run_create(
         checkpoint=checkpoint,
         attempts=attempts,
     )
-    run.summary = {"policy": policy, "options": {**options, "exclude_tools": list(config.exclude_tools)}}
+    run.summary = {
+        "policy": policy,
+        "options": {
+            **options,
+            "exclude_tools": list(config.exclude_tools),
+            "disable_tools": list(config.disable_tools),
+        },
+    }
     run.save(update_fields=["summary"])
     if enqueue:
         from webapp.experiments.tasks import benchmark_run_task
@@ -527,6 +537,7 @@ def benchmark_run_execute(*, run_id: int, options: dict | None = None) -> Benchm
         return run
     stored = dict(run.summary.get("options") or {})
     stored["exclude_tools"] = tuple(stored.get("exclude_tools") or ())
+    stored["disable_tools"] = tuple(stored.get("disable_tools") or ())
     config = _bench_config(
         suite=run.suite,
         policy=run.summary["policy"],

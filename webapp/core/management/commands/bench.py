@@ -31,7 +31,12 @@ class Command(BaseCommand):
         parser.add_argument("--temperature", type=float, default=0.7)
         parser.add_argument("--concurrency", type=int, default=2)
         parser.add_argument(
-            "--exclude-tools", default="", help="comma-separated tools not offered, e.g. semantic_search"
+            "--exclude-tools", default="",
+            help="comma-separated tools not offered (this changes the prompt), e.g. semantic_search",
+        )
+        parser.add_argument(
+            "--disable-tools", default="",
+            help="comma-separated tools offered but refused when called (same prompt), e.g. semantic_search",
         )
 
     def handle(self, *args, **options):
@@ -52,6 +57,9 @@ class Command(BaseCommand):
             "concurrency": options["concurrency"],
             "exclude_tools": tuple(
                 name.strip() for name in options["exclude_tools"].split(",") if name.strip()
+            ),
+            "disable_tools": tuple(
+                name.strip() for name in options["disable_tools"].split(",") if name.strip()
             ),
         }
         try:
