@@ -43,10 +43,12 @@ def loss_of(model: MoETransformer, tokens: torch.Tensor) -> tuple[torch.Tensor, 
     return loss, loss + 0.01 * out.load_balancing_loss + 0.001 * out.router_z_loss
 
 
-def train(precision: str, train_batches, eval_batches, *, lr: float, seq_len: int, seed: int = 0) -> dict[str, float]:
+def train(
+    precision: str, train_batches, eval_batches, *, lr: float, seq_len: int, device: torch.device, seed: int = 0
+) -> dict[str, float]:
     torch.manual_seed(seed)
     config = ModelConfig.named("tiny", vocab_size=256, max_seq_len=seq_len, precision=precision)
-    model = MoETransformer(config).train()
+    model = MoETransformer(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # Warmup then cosine decay to 10 %: the end of the run is where the precisions are compared, and a
     # decayed learning rate keeps step-to-step noise there from deciding the comparison.
@@ -60,7 +62,7 @@ def train(precision: str, train_batches, eval_batches, *, lr: float, seq_len: in
     losses = []
     started = time.perf_counter()
     for tokens in train_batches:
-        loss, total = loss_of(model, tokens)
+        loss, total = loss_of(model, tokens.to(device))
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -70,7 +72,7 @@ def train(precision: str, train_batches, eval_batches, *, lr: float, seq_len: in
     seconds = time.perf_counter() - started
     model.eval()
     with torch.no_grad():
-        eval_loss = sum(loss_of(model, tokens)[0].item() for tokens in eval_batches) / len(eval_batches)
+        eval_loss = sum(loss_of(model, tokens.to(device))[0].item() for tokens in eval_batches) / len(eval_batches)
     tail = losses[-10:]
     return {
         "first_loss": losses[0],
@@ -80,13 +82,13 @@ def train(precision: str, train_batches, eval_batches, *, lr: float, seq_len: in
     }
 
 
-def gradient_agreement(first_batch: torch.Tensor, seq_len: int, precisions: list[str]) -> None:
+def gradient_agreement(first_batch: torch.Tensor, seq_len: int, precisions: list[str], device: torch.device) -> None:
     """SQNR (dB) and norm ratio of every parameter's gradient at init, each precision vs fp32."""
     grads = {}
     for precision in ["fp32", *[p for p in precisions if p != "fp32"]]:
         torch.manual_seed(0)
         model = MoETransformer(ModelConfig.named("tiny", vocab_size=256, max_seq_len=seq_len, precision=precision))
-        loss_of(model, first_batch)[0].backward()
+        loss_of(model.to(device), first_batch.to(device))[0].backward()
         grads[precision] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for precision in grads:
         if precision == "fp32":
@@ -112,6 +114,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (shared CPU: keep low)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "mxfp8"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: mxfp8 runs the Triton kernels (backend auto); cpu: the reference emulation")
     parser.add_argument(
         "--noise-baseline", action="store_true", help="also train fp32 from another seed (run-to-run spread)"
     )
@@ -119,18 +123,25 @@ def main() -> None:
     if "fp32" not in args.precisions:
         parser.error("fp32 is the baseline and must be among --precisions.")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     data = corpus_bytes(4_000_000)
     train_batches = batches(data, count=args.steps, batch=args.batch, seq_len=args.seq_len, seed=1)
     eval_batches = batches(data, count=32, batch=args.batch, seq_len=args.seq_len, seed=2)
     print(
         f"tiny model, vocab 256 (bytes), {args.steps} AdamW steps lr={args.lr}, batch {args.batch} x "
-        f"{args.seq_len} tokens, threads={args.threads}, torch {torch.__version__}"
+        f"{args.seq_len} tokens, threads={args.threads}, torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     )
-    gradient_agreement(train_batches[0], args.seq_len, args.precisions)
-    results = {p: train(p, train_batches, eval_batches, lr=args.lr, seq_len=args.seq_len) for p in args.precisions}
+    gradient_agreement(train_batches[0], args.seq_len, args.precisions, device)
+    results = {
+        p: train(p, train_batches, eval_batches, lr=args.lr, seq_len=args.seq_len, device=device)
+        for p in args.precisions
+    }
     if args.noise_baseline:
         # Same precision, different initial weights: how far two fp32 runs land apart anyway.
-        results["fp32 seed 1"] = train("fp32", train_batches, eval_batches, lr=args.lr, seq_len=args.seq_len, seed=1)
+        results["fp32 seed 1"] = train(
+            "fp32", train_batches, eval_batches, lr=args.lr, seq_len=args.seq_len, device=device, seed=1
+        )
     base = results["fp32"]
     for precision, r in results.items():
         train_gap = 100 * (r["final_train_loss"] - base["final_train_loss"]) / base["final_train_loss"]
