@@ -99,7 +99,10 @@ def gemm_report(tokens: int, k: int, n: int) -> None:
     x = torch.randn(tokens, k, generator=generator).to(DEVICE)
     w = torch.randn(4, k, n, generator=generator).to(DEVICE)
     grad = torch.randn(tokens, n, generator=generator).to(DEVICE)
-    bf16 = lambda t: t.to(torch.bfloat16).float()
+
+    def bf16(t):
+        return t.to(torch.bfloat16).float()
+
     x_rows, w_cols = quantize_mxfp8_rows(x), quantize_mxfp8_cols(w)
     grad_rows, w_rows = quantize_mxfp8_rows(grad), quantize_mxfp8_rows(w)
     x_cols, grad_cols = quantize_mxfp8_cols(x, offsets=offsets), quantize_mxfp8_cols(grad, offsets=offsets)

@@ -24,14 +24,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
-import torch
+import torch  # noqa: E402
 
-from training.checkpoint import create_random_checkpoint, load_checkpoint
-from training.serving import ChatModel
-from training.train.rl import segment_logprobs, segments_to_batches
-from training.train.rollouts import RolloutRecord, Segment
+from training.checkpoint import create_random_checkpoint, load_checkpoint  # noqa: E402
+from training.serving import ChatModel  # noqa: E402
+from training.train.rl import segment_logprobs, segments_to_batches  # noqa: E402
+from training.train.rollouts import RolloutRecord, Segment  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that reverses a linked list.",

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from webapp.server_command import asgi_server_command
+from webapp.server_command import asgi_server_command  # noqa: E402 (after the sys.path insert)
 
 VENV_BIN = Path(sys.executable).parent
 STATE_DIR = Path(os.environ.get("FLOWSTATE_STATE_DIR", ROOT / "var"))

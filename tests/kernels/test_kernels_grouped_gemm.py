@@ -90,7 +90,10 @@ def test_mxfp8_versus_bf16_reference_sqnr():
     """MXFP8 grouped GEMMs against the same GEMMs on bf16 inputs with fp32 accumulation."""
     offsets = offsets_tensor([0, 60, 60, 190, 256])
     x, w, grad = gaussian(256, 128, seed=10), gaussian(4, 128, 128, seed=11), gaussian(256, 128, seed=12)
-    bf16 = lambda t: t.to(torch.bfloat16).float()
+
+    def bf16(t):
+        return t.to(torch.bfloat16).float()
+
     forward = sqnr_db(
         ref.grouped_mm_reference(bf16(x), bf16(w), offsets),
         gemm.mx_grouped_mm_triton(quantize.quantize_mxfp8_rows(x), quantize.quantize_mxfp8_cols(w), offsets),
