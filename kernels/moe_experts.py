@@ -108,7 +108,7 @@ class MXFP8Ops:
 
     quantize_rows: Callable[..., MXTensor]
     quantize_cols: Callable[..., MXTensor]
-    grouped_mm_dgrad: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
+    grouped_mm_nt: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
     """``a[rows of e] @ b[e].T`` with both operands 1x32 along the reduction: the forward (b = the
     K-major weight copy) and dgrad (b = the weight itself) GEMMs."""
     grouped_wgrad: Callable[[MXTensor, MXTensor, torch.Tensor], torch.Tensor]
@@ -117,7 +117,7 @@ class MXFP8Ops:
 REFERENCE_OPS = MXFP8Ops(
     quantize_rows=quantize_mxfp8_rows_reference,
     quantize_cols=quantize_mxfp8_cols_reference,
-    grouped_mm_dgrad=gemm_ref.mx_grouped_mm_dgrad_emulated,
+    grouped_mm_nt=gemm_ref.mx_grouped_mm_dgrad_emulated,
     grouped_wgrad=gemm_ref.mx_grouped_wgrad_emulated,
 )
 
@@ -132,7 +132,7 @@ def mxfp8_ops(backend: str) -> MXFP8Ops:
     return MXFP8Ops(
         quantize_rows=quantize_mxfp8_rows,
         quantize_cols=quantize_mxfp8_cols,
-        grouped_mm_dgrad=mx_grouped_mm_dgrad_triton,
+        grouped_mm_nt=mx_grouped_mm_dgrad_triton,
         grouped_wgrad=mx_grouped_wgrad_triton,
     )
 
@@ -157,11 +157,11 @@ class MXFP8GroupedSwiGLU(torch.autograd.Function):
         d_ff = w_gate.shape[2]
         w_gate_up = torch.cat([w_gate, w_up], dim=2)
         x_rows = ops.quantize_rows(x, scale_mode=scale_mode)
-        gate_up = ops.grouped_mm_dgrad(x_rows, _quantize_k_major(ops, w_gate_up, scale_mode), offsets)
+        gate_up = ops.grouped_mm_nt(x_rows, _quantize_k_major(ops, w_gate_up, scale_mode), offsets)
         gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
         hidden = F.silu(gate) * up
         hidden_rows = ops.quantize_rows(hidden, scale_mode=scale_mode)
-        out = ops.grouped_mm_dgrad(hidden_rows, _quantize_k_major(ops, w_down, scale_mode), offsets)
+        out = ops.grouped_mm_nt(hidden_rows, _quantize_k_major(ops, w_down, scale_mode), offsets)
         ctx.save_for_backward(x, offsets, w_gate_up, w_down, gate_up)
         ctx.ops, ctx.scale_mode, ctx.weight_dtypes = ops, scale_mode, (w_gate.dtype, w_up.dtype, w_down.dtype)
         return out.to(x.dtype)
@@ -182,7 +182,7 @@ class MXFP8GroupedSwiGLU(torch.autograd.Function):
         hidden = silu_gate * up
         grad_out = grad_out.to(torch.float32)
 
-        grad_hidden = ops.grouped_mm_dgrad(
+        grad_hidden = ops.grouped_mm_nt(
             ops.quantize_rows(grad_out, scale_mode=mode), ops.quantize_rows(w_down, scale_mode=mode), offsets
         )
         grad_w_down = None
@@ -199,7 +199,7 @@ class MXFP8GroupedSwiGLU(torch.autograd.Function):
 
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = ops.grouped_mm_dgrad(
+            grad_x = ops.grouped_mm_nt(
                 ops.quantize_rows(grad_gate_up, scale_mode=mode),
                 ops.quantize_rows(w_gate_up, scale_mode=mode),
                 offsets,
