@@ -536,8 +536,6 @@ def benchmark_run_execute(*, run_id: int, options: dict | None = None) -> Benchm
     if run.status == BenchmarkRun.Status.FINISHED:
         return run
     stored = dict(run.summary.get("options") or {})
-    stored["exclude_tools"] = tuple(stored.get("exclude_tools") or ())
-    stored["disable_tools"] = tuple(stored.get("disable_tools") or ())
     config = _bench_config(
         suite=run.suite,
         policy=run.summary["policy"],

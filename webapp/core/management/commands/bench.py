@@ -9,6 +9,11 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 
+def _tool_names(text: str) -> tuple[str, ...]:
+    """"a, b" -> ("a", "b") (names are checked against the tool list by BenchConfig)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 class Command(BaseCommand):
     help = (
         "Run the CursorBench-like evaluation: pass@1, pass@k, tokens, tool calls and wall time per task, "
@@ -55,12 +60,8 @@ class Command(BaseCommand):
             "max_tokens_per_turn": options["max_tokens_per_turn"],
             "temperature": options["temperature"],
             "concurrency": options["concurrency"],
-            "exclude_tools": tuple(
-                name.strip() for name in options["exclude_tools"].split(",") if name.strip()
-            ),
-            "disable_tools": tuple(
-                name.strip() for name in options["disable_tools"].split(",") if name.strip()
-            ),
+            "exclude_tools": _tool_names(options["exclude_tools"]),
+            "disable_tools": _tool_names(options["disable_tools"]),
         }
         try:
             run = benchmark_run_create(
