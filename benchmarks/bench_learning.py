@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--gain-lr-scale", type=float, default=1.0,
+                        help="learning-rate multiplier for normalisation gains (1-D parameters)")
+    parser.add_argument("--negative-advantage-weight", type=float, default=1.0,
+                        help="1 = GRPO; 0 = reinforce only rollouts that beat their group (RAFT-style)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
                         help="only evaluate CHECKPOINT on the held-out tasks (no training)")
     parser.add_argument("--disable-tools", default="",
@@ -110,6 +114,8 @@ def main() -> None:
         max_tokens_per_turn=args.max_tokens_per_turn,
         temperature=args.temperature,
         lr=args.lr,
+        negative_advantage_weight=args.negative_advantage_weight,
+        gain_lr_scale=args.gain_lr_scale,
         keep_checkpoints=3,
     )
     training_started = time.monotonic()

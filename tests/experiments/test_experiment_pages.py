@@ -67,6 +67,12 @@ def test_invalid_config_explains_the_fix_and_creates_nothing(client, owner, poli
         reverse("experiments:experiment-list"), {**data, "group_size": 2, "init_checkpoint": "/nope"}
     )
     assert 'data-error-for="init_checkpoint"' in response.content.decode()
+    response = client.post(
+        reverse("experiments:experiment-list"), {**data, "group_size": 2, "negative_advantage_weight": 2}
+    )
+    assert response.status_code == 400
+    assert 'data-error-for="negative_advantage_weight"' in response.content.decode()
+    assert "1 = GRPO, 0 = reinforce only rollouts that beat their group" in response.content.decode()
     assert not Experiment.objects.exists()
 
 

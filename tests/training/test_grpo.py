@@ -229,3 +229,26 @@ def test_token_logprobs_matches_log_softmax():
     targets = torch.randint(0, 11, (2, 3))
     expected = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(token_logprobs(logits, targets), expected, atol=1e-6)
+
+
+def test_negative_advantage_weight_keeps_only_rollouts_that_beat_their_group():
+    from training.train.rl import rollout_advantages
+    from training.train.rollouts import RolloutRecord
+
+    def record(group: int, reward: float | None, valid: bool = True) -> RolloutRecord:
+        return RolloutRecord(task_id=f"t{group}", group=group, valid=valid, reward=reward, passed=reward == 1.0)
+
+    records = [record(0, 1.0), record(0, 0.0), record(0, 0.0), record(0, 0.0), record(1, 0.0), record(1, None, False)]
+    grpo = rollout_advantages(records, GRPOConfig())
+    assert torch.allclose(grpo, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0]))
+    filtered = rollout_advantages(records, GRPOConfig(negative_advantage_weight=0.0))
+    assert torch.allclose(filtered, torch.tensor([0.75, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert not torch.signbit(filtered).any()  # -0.0 would leak into the rollout logs
+    halved = rollout_advantages(records, GRPOConfig(negative_advantage_weight=0.5))
+    assert torch.allclose(halved, torch.tensor([0.75, -0.125, -0.125, -0.125, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
+def test_negative_advantage_weight_outside_unit_interval_is_refused(weight):
+    with pytest.raises(GRPOConfigError, match="negative_advantage_weight"):
+        GRPOConfig(negative_advantage_weight=weight)

@@ -175,3 +175,20 @@ def test_groups_without_signal_take_no_step(checkpoint, rollouts):
     stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=config)
     assert stats["trained_tokens"] == 0
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_gain_lr_scale_gives_one_dimensional_parameters_their_own_step_size():
+    """Adam's first step moves each parameter by ~lr: gains must move gain_lr_scale times further."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8))
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0, gain_lr_scale=10.0))
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    (model(torch.randn(16, 8)) * torch.randn(16, 8)).sum().backward()
+    optimizer.step()
+    matrix_step, gain_step, bias_step = (
+        (parameter.detach() - old).abs().max().item() for parameter, old in zip(model.parameters(), before)
+    )
+    assert matrix_step == pytest.approx(1e-3, rel=0.01)
+    assert gain_step == pytest.approx(1e-2, rel=0.01) and bias_step == pytest.approx(1e-2, rel=0.01)
+    with pytest.raises(TrainConfigError, match="gain_lr_scale must be positive"):
+        OptimizerConfig(gain_lr_scale=0.0)

@@ -100,6 +100,12 @@ class AsyncRLConfig:
     """Wall-clock limit of one rollout's agent loop."""
     lr: float = 1e-5
     """Constant learning rate of the policy update."""
+    gain_lr_scale: float = 1.0
+    """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
+    learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
+    negative_advantage_weight: float = 1.0
+    """Weight of below-group-mean rollouts in the update: 1 is GRPO, 0 reinforces only rollouts that
+    beat their group (RAFT-style; stable at a much higher lr for a small policy with rare successes)."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
@@ -143,6 +149,13 @@ class AsyncRLConfig:
             raise AsyncRLConfigError("temperature must be > 0: greedy rollouts of one task are identical")
         if self.lr <= 0:
             raise AsyncRLConfigError("lr must be > 0")
+        if self.gain_lr_scale <= 0:
+            raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
+        if not 0 <= self.negative_advantage_weight <= 1:
+            raise AsyncRLConfigError(
+                "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
+                f"beat their group), got {self.negative_advantage_weight}"
+            )
         if self.inference_actors > self.rollout_workers:
             raise AsyncRLConfigError(
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
@@ -505,6 +518,7 @@ def run_async_rl(
 
     from training.checkpoint import load_checkpoint
     from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
+    from training.train.grpo import GRPOConfig
     from training.train.rl import RLConfig, policy_updates, rollout_advantages, segments_to_batches
     from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
 
@@ -512,7 +526,9 @@ def run_async_rl(
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
     model.train()
-    optimizer_config = OptimizerConfig(lr=config.lr, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0)
+    optimizer_config = OptimizerConfig(
+        lr=config.lr, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0, gain_lr_scale=config.gain_lr_scale
+    )
     optimizer = build_optimizer(model, optimizer_config)
     lr_schedule = build_scheduler(optimizer, optimizer_config, total_steps=config.steps)
     state = _RunState()
@@ -540,6 +556,7 @@ def run_async_rl(
         updates_per_step=config.updates_per_step,
         temperature=config.temperature,
         routing_replay=True,
+        grpo=GRPOConfig(negative_advantage_weight=config.negative_advantage_weight),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
         optimizer=optimizer_config,

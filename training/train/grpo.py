@@ -17,6 +17,9 @@ How this differs from the GRPO paper (Shao et al., 2024, DeepSeekMath):
   are not down-weighted per token (DAPO); "sequence" normalisation is kept as an option;
 - std-normalisation of advantages is optional and off by default (Dr. GRPO argues it biases
   towards easy/hard groups);
+- optionally (negative_advantage_weight < 1) rollouts below their group's mean are down-weighted or,
+  at 0, left out: the update then only reinforces what passed (RAFT / filtered behaviour cloning,
+  with the group mean as baseline);
 - rollouts that failed for infrastructure reasons (sandbox crash, timeouts of the machinery, not
   of the agent) carry no reward at all: they are masked out of the group statistics and the loss,
   never scored as zero;
@@ -114,6 +117,13 @@ class GRPOConfig:
     length_penalty: LengthPenaltyConfig = field(default_factory=LengthPenaltyConfig)
     """Nonlinear length penalty on successful rollouts."""
 
+    negative_advantage_weight: float = 1.0
+    """Multiplier on negative advantages. 1 is GRPO. 0 trains only on rollouts that beat their group's
+    mean (a RAFT-style filtered policy gradient): every update then raises the likelihood of rollouts
+    that passed, which lets a small policy with rare successes take a far larger learning rate without
+    the collapse that pushing down failed rollouts causes (their tokens are mostly the same as the
+    successful ones'). Values in between down-weight failures."""
+
     def __post_init__(self) -> None:
         if isinstance(self.length_penalty, dict):
             self.length_penalty = LengthPenaltyConfig(**self.length_penalty)
@@ -130,6 +140,11 @@ class GRPOConfig:
             raise GRPOConfigError(f"normalization={self.normalization!r}; use 'token' or 'sequence'.")
         if self.advantage_eps <= 0:
             raise GRPOConfigError("advantage_eps must be positive.")
+        if not 0 <= self.negative_advantage_weight <= 1:
+            raise GRPOConfigError(
+                f"negative_advantage_weight={self.negative_advantage_weight} must lie in [0, 1]: 1 is GRPO, "
+                "0 keeps only rollouts better than their group's mean."
+            )
 
 
 def length_penalty(

@@ -82,9 +82,18 @@ class OptimizerConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
+    gain_lr_scale: float = 1.0
+    """Learning-rate multiplier for 1-D parameters (normalisation gains). Adam moves every parameter by
+    about lr per step whatever its scale: a weight-matrix entry (std ~0.02) changes by a few percent over
+    a few hundred steps, a gain (~1.0) by a fraction of a percent, so a short fine-tune (RL) cannot move
+    the gains, which set how sharp attention and the output distribution are. ~50 evens the relative
+    step of gains and matrices."""
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise TrainConfigError(f"lr must be positive, got {self.lr}.")
+        if self.gain_lr_scale <= 0:
+            raise TrainConfigError(f"gain_lr_scale must be positive (1 keeps gains at lr), got {self.gain_lr_scale}.")
         if not 0 <= self.min_lr_ratio <= 1:
             raise TrainConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
@@ -166,13 +175,23 @@ def build_model(model_config: ModelConfig, *, seed: int) -> MoETransformer:
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay, embeddings, gains = [], [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        (decay if parameter.dim() >= 2 and "embed" not in name else no_decay).append(parameter)
+        if parameter.dim() < 2:
+            gains.append(parameter)
+        elif "embed" in name:
+            embeddings.append(parameter)
+        else:
+            decay.append(parameter)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": embeddings, "weight_decay": 0.0},
+        {"params": gains, "weight_decay": 0.0, "lr": config.lr * config.gain_lr_scale},
+    ]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [group for group in groups if group["params"]],
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         foreach=False,

@@ -186,10 +186,12 @@ def rollout_advantages(records: list[RolloutRecord], config: GRPOConfig) -> torc
     groups = torch.tensor([record.group for record in records])
     lengths = torch.tensor([float(record.completion_tokens) for record in records])
     shaped = shaped_rewards(rewards=rewards, valid=valid, group_ids=groups, lengths=lengths, config=config.length_penalty)
-    return group_advantages(
+    advantages = group_advantages(
         rewards=shaped, valid=valid, group_ids=groups,
         normalize_std=config.normalize_advantage_std, eps=config.advantage_eps,
     )
+    # "+ 0.0" turns the -0.0 of a zero weight into 0.0 for the rollout logs.
+    return torch.where(advantages < 0, advantages * config.negative_advantage_weight, advantages) + 0.0
 
 
 def segments_to_batches(
