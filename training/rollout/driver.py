@@ -517,8 +517,8 @@ def run_async_rl(
     import torch
 
     from training.checkpoint import load_checkpoint
-    from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
     from training.train.grpo import GRPOConfig
+    from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
     from training.train.rl import RLConfig, policy_updates, rollout_advantages, segments_to_batches
     from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
 
