@@ -105,7 +105,7 @@ class AsyncRLConfig:
     learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
     negative_advantage_weight: float = 1.0
     """Weight of below-group-mean rollouts in the update: 1 is GRPO, 0 reinforces only rollouts that
-    beat their group (RAFT-style; stable at a much higher lr for a small policy with rare successes)."""
+    beat their group (RAFT-style, training.train.grpo.GRPOConfig.negative_advantage_weight)."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False

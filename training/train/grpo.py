@@ -119,10 +119,10 @@ class GRPOConfig:
 
     negative_advantage_weight: float = 1.0
     """Multiplier on negative advantages. 1 is GRPO. 0 trains only on rollouts that beat their group's
-    mean (a RAFT-style filtered policy gradient): every update then raises the likelihood of rollouts
-    that passed, which lets a small policy with rare successes take a far larger learning rate without
-    the collapse that pushing down failed rollouts causes (their tokens are mostly the same as the
-    successful ones'). Values in between down-weight failures."""
+    mean (a RAFT-style filtered policy gradient): every update then only raises the likelihood of
+    rollouts that passed, so the noise of pushing down failed rollouts (whose tokens are mostly the same
+    as the successful ones') is gone. On the tiny toy-tier policy it held lr 5e-5, where GRPO degraded,
+    but collapsed at 3e-4 (BENCHMARKS.md, "RL experiments"). Values in between down-weight failures."""
 
     def __post_init__(self) -> None:
         if isinstance(self.length_penalty, dict):
