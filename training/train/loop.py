@@ -175,23 +175,24 @@ def build_model(model_config: ModelConfig, *, seed: int) -> MoETransformer:
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
-    decay, embeddings, gains = [], [], []
+    # Gains get a group of their own only when their lr is scaled: optimizer states saved with the two
+    # default groups (matrices, and everything not decayed) must still load when a run resumes.
+    separate_gains = config.gain_lr_scale != 1.0
+    decay, no_decay, gains = [], [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        if parameter.dim() < 2:
-            gains.append(parameter)
-        elif "embed" in name:
-            embeddings.append(parameter)
-        else:
+        if parameter.dim() >= 2 and "embed" not in name:
             decay.append(parameter)
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": embeddings, "weight_decay": 0.0},
-        {"params": gains, "weight_decay": 0.0, "lr": config.lr * config.gain_lr_scale},
-    ]
+        elif separate_gains and parameter.dim() < 2:
+            gains.append(parameter)
+        else:
+            no_decay.append(parameter)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if gains:
+        groups.append({"params": gains, "weight_decay": 0.0, "lr": config.lr * config.gain_lr_scale})
     return torch.optim.AdamW(
-        [group for group in groups if group["params"]],
+        groups,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         foreach=False,
