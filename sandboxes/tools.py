@@ -5,8 +5,8 @@
 deterministic text, identical whichever backend runs the sandbox.
 
 Calls in a batch run concurrently on a thread pool unless they conflict: two calls touching the
-same path, or ``run_terminal``/``edit_file`` with anything, run in the order the model gave them.
-Results always come back in call order.
+same path, or ``run_terminal``/``edit_file``/``replace_lines`` with anything, run in the order the
+model gave them. Results always come back in call order.
 
 Errors the agent caused (bad arguments, paths outside the workspace, no match for an edit, quota
 full) come back as results with ``ok=False`` and a message saying what to do. Infrastructure
@@ -35,7 +35,7 @@ __all__ = ["TOOL_NAMES", "ToolCall", "ToolResult", "execute_tool_calls", "openai
 MAX_PARALLEL_CALLS = 16
 """Threads of the process-wide pool that runs independent tool calls."""
 
-HOST_SIDE_TOOLS = frozenset({"read_file", "list_dir", "create_file", "edit_file", "todo_write"})
+HOST_SIDE_TOOLS = frozenset({"read_file", "list_dir", "create_file", "edit_file", "replace_lines", "todo_write"})
 """Tools served by host-side file access in microseconds; a batch of only these runs inline, in order."""
 
 EVERYTHING = "*"
@@ -136,6 +136,18 @@ _TOOLS: tuple[_Tool, ...] = (
             "new_str": {"type": "string", "description": "Replacement text."},
         }, ["path", "old_str", "new_str"]),
         handlers.edit_file, _everything, _everything,
+    ),
+    _Tool(
+        "replace_lines",
+        "Replace lines start_line..end_line (1-based, inclusive, as read_file numbers them) of a file with "
+        "new_text, which may hold more or fewer lines; an empty new_text deletes them.",
+        _object({
+            "path": _PATH,
+            "start_line": {"type": "integer", "minimum": 1, "description": "First line to replace."},
+            "end_line": {"type": "integer", "minimum": 1, "description": "Last line to replace (inclusive)."},
+            "new_text": {"type": "string", "description": "Replacement lines, indentation included."},
+        }, ["path", "start_line", "end_line", "new_text"]),
+        handlers.replace_lines, _everything, _everything,
     ),
     _Tool(
         "create_file",

@@ -117,14 +117,44 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     updated = text[:at] + new + text[at + len(old) :]
     sandbox.write_bytes(path, updated.encode("utf-8"))
     first = _line_of(updated, at)
-    new_lines = updated.splitlines(keepends=True)
-    last = first + new.count("\n")
-    lo, hi = max(first - 3, 1), min(last + 3, len(new_lines))
-    snippet = number_lines(new_lines[lo - 1 : hi], lo)
-    if snippet and not snippet.endswith("\n"):
-        snippet += "\n"
+    snippet = _edited_snippet(updated.splitlines(keepends=True), first, first + new.count("\n"))
     return Outcome(f"Edited {path}: replaced 1 occurrence at line {_line_of(text, at)}.\n{snippet}",
                    meta={"path": path, "line": first})
+
+
+def _edited_snippet(lines: list[str], first: int, last: int) -> str:
+    """The edited lines with three lines of context either side, numbered as read_file numbers them."""
+    lo, hi = max(first - 3, 1), min(last + 3, len(lines))
+    snippet = number_lines(lines[lo - 1 : hi], lo)
+    return snippet if not snippet or snippet.endswith("\n") else snippet + "\n"
+
+
+def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
+    # An edit addressed by line number: the model names lines it read (read_file numbers them) and writes
+    # only their new text, so it never has to reproduce the old text exactly as edit_file requires.
+    path = normalize_relative(args["path"])
+    start, end, new = args["start_line"], args["end_line"], args["new_text"]
+    if end < start:
+        raise ToolFailure(f"end_line {end} is before start_line {start}")
+    text = _decode_text(sandbox.read_bytes(path), path)
+    lines = text.splitlines(keepends=True)
+    if end > len(lines):
+        raise ToolFailure(
+            f"{path} has {len(lines)} lines, so lines {start}-{end} do not exist; read the file again for the numbers"
+        )
+    if new and not new.endswith("\n"):
+        new += "\n"
+    old = "".join(lines[start - 1 : end])
+    if old == new:
+        raise ToolFailure(f"new_text equals lines {start}-{end} of {path}; nothing would change")
+    updated = "".join(lines[: start - 1]) + new + "".join(lines[end:])
+    sandbox.write_bytes(path, updated.encode("utf-8"))
+    written = new.count("\n")
+    plural = "" if end == start else "s"
+    summary = f"Edited {path}: replaced line{plural} {start}-{end} with {written} line{'' if written == 1 else 's'}.\n"
+    snippet = _edited_snippet(updated.splitlines(keepends=True), start, max(start, start + written - 1))
+    return Outcome(summary + snippet, meta={"path": path, "line": start, "lines_removed": end - start + 1,
+                                            "lines_written": written})
 
 
 def create_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:

@@ -188,6 +188,10 @@
         renderDiff(box, simpleDiff(args.path || "file", args.old_str ?? "", args.new_str ?? ""));
         return box;
       }
+      if (name === "replace_lines") {
+        const where = `${args.path || ""} lines ${args.start_line ?? "?"}-${args.end_line ?? "?"}`;
+        return el("div", { cls: "args" }, [el("div", { cls: "muted", text: where }), el("pre", { cls: "mono", text: args.new_text ?? "" })]);
+      }
       if (name === "create_file") {
         const box = el("div", { cls: "args" });
         renderDiff(box, simpleDiff(args.path || "file", "", args.content || ""));

@@ -16,8 +16,8 @@ def call(sandbox, name, **arguments):
 def test_openai_schemas_cover_every_tool_and_are_json():
     schemas = openai_tool_schemas()
     assert [s["function"]["name"] for s in schemas] == list(TOOL_NAMES)
-    assert set(TOOL_NAMES) == {"read_file", "list_dir", "edit_file", "create_file", "grep", "semantic_search",
-                               "read_lints", "run_terminal", "todo_write"}
+    assert set(TOOL_NAMES) == {"read_file", "list_dir", "edit_file", "replace_lines", "create_file", "grep",
+                               "semantic_search", "read_lints", "run_terminal", "todo_write"}
     for schema in schemas:
         assert schema["type"] == "function"
         assert schema["function"]["parameters"]["type"] == "object"
@@ -63,6 +63,34 @@ def test_edit_file_requires_a_unique_exact_match(sandbox):
     assert sandbox.read_bytes("dup.py") == b"x = 1\ny = 5\nx = 1\n"
     same = call(sandbox, "edit_file", path="dup.py", old_str="y = 5", new_str="y = 5")
     assert not same.ok and "identical" in same.output
+
+
+def test_replace_lines_rewrites_a_numbered_range(sandbox):
+    sandbox.write_bytes("lines.py", b"a = 1\nb = 2\nc = 3\nd = 4\n")
+    one = call(sandbox, "replace_lines", path="lines.py", start_line=2, end_line=2, new_text="b = 20")
+    assert one.ok and "replaced line 2-2 with 1 line" in one.output
+    assert "     2\tb = 20\n" in one.output  # the snippet is numbered the way read_file numbers lines
+    assert sandbox.read_bytes("lines.py") == b"a = 1\nb = 20\nc = 3\nd = 4\n"
+    grow = call(sandbox, "replace_lines", path="lines.py", start_line=3, end_line=4, new_text="c = 3\nx = 0\nd = 4\n")
+    assert grow.ok and "with 3 lines" in grow.output
+    assert sandbox.read_bytes("lines.py") == b"a = 1\nb = 20\nc = 3\nx = 0\nd = 4\n"
+    deleted = call(sandbox, "replace_lines", path="lines.py", start_line=4, end_line=4, new_text="")
+    assert deleted.ok and sandbox.read_bytes("lines.py") == b"a = 1\nb = 20\nc = 3\nd = 4\n"
+
+
+def test_replace_lines_refuses_ranges_that_do_not_exist_and_no_ops(sandbox):
+    sandbox.write_bytes("lines.py", b"a = 1\nb = 2\n")
+    past = call(sandbox, "replace_lines", path="lines.py", start_line=2, end_line=3, new_text="b = 3\n")
+    assert not past.ok and "has 2 lines" in past.output
+    backwards = call(sandbox, "replace_lines", path="lines.py", start_line=2, end_line=1, new_text="x\n")
+    assert not backwards.ok and "before start_line" in backwards.output
+    same = call(sandbox, "replace_lines", path="lines.py", start_line=1, end_line=1, new_text="a = 1\n")
+    assert not same.ok and "nothing would change" in same.output
+    zero = call(sandbox, "replace_lines", path="lines.py", start_line=0, end_line=1, new_text="x\n")
+    assert not zero.ok and "invalid arguments" in zero.output
+    outside = call(sandbox, "replace_lines", path="../escape.py", start_line=1, end_line=1, new_text="x\n")
+    assert not outside.ok
+    assert sandbox.read_bytes("lines.py") == b"a = 1\nb = 2\n"
 
 
 def test_create_file_refuses_to_clobber_unless_asked(sandbox):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from training.tasks.base import CodingTask, FileEdit, TaskError, minimal_fix_edit
+from training.tasks.base import CodingTask, FileEdit, LineEdit, TaskError, minimal_fix_edit
 from training.tasks.mutations import MUTATION_KINDS, MutationError, enumerate_mutations
 from training.tasks.reward import (
     RewardConfig,
@@ -89,6 +89,22 @@ def test_minimal_fix_edit_is_unique_and_reverts_the_bug():
     assert buggy.count(edit.old_text) == 1 and edit.apply(buggy) == fixed
     with pytest.raises(TaskError, match="occurs 0 times"):
         FileEdit(path="a.py", old_text="nope", new_text="").apply(buggy)
+
+
+def test_line_range_fix_rewrites_only_the_changed_lines():
+    buggy = "def f(a):\n    # a comment line\n    x = a + 1\n    return a\n"
+    changed = FileEdit(path="a.py", old_text="    return a\n", new_text="    return x\n")
+    assert changed.as_line_range(buggy) == LineEdit(path="a.py", start_line=4, end_line=4, new_text="    return x\n")
+    # A removed statement put back: the range also rewrites the shorter neighbouring line.
+    inserted = FileEdit(path="a.py", old_text="    x = a + 1\n", new_text="    x = a + 1\n    x *= 2\n")
+    edit = inserted.as_line_range(buggy)
+    assert (edit.start_line, edit.end_line) == (4, 4) and edit.new_text == "    x *= 2\n    return a\n"
+    for seed in range(40):
+        task = generate_toy_task(seed)
+        source = task.files[task.solution.path]
+        edit = task.solution.as_line_range(source)
+        assert edit.apply(source) == task.solution.apply(source)
+        assert edit.end_line - edit.start_line + 1 == 1
 
 
 def test_mutations_are_single_site_and_compile():

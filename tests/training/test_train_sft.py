@@ -33,6 +33,7 @@ def expert_run():
 def test_scripted_expert_solves_toy_task_with_exact_tool_calls(expert_run):
     task, trajectory = expert_run
     assert trajectory.reward == 1.0
+    lines = task.solution.as_line_range(task.files[task.solution.path])
     calls = [
         (call["function"]["name"], json.loads(call["function"]["arguments"]))
         for message in trajectory.messages
@@ -41,7 +42,8 @@ def test_scripted_expert_solves_toy_task_with_exact_tool_calls(expert_run):
     ]
     assert calls == [
         ("read_file", {"path": task.solution.path}),
-        ("edit_file", {"path": task.solution.path, "old_str": task.solution.old_text, "new_str": task.solution.new_text}),
+        ("replace_lines", {"path": task.solution.path, "start_line": lines.start_line, "end_line": lines.end_line,
+                           "new_text": lines.new_text}),
         ("run_terminal", {"command": task.test_command}),
     ]
     tool_outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]

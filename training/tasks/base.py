@@ -33,6 +33,48 @@ class FileEdit:
             )
         return content.replace(self.old_text, self.new_text)
 
+    def as_line_range(self, content: str) -> LineEdit:
+        """The same fix addressed by line numbers of `content`: only the lines that change, new text.
+
+        A pure insertion (a removed statement put back) also rewrites the shorter of its neighbouring
+        lines, because a line range cannot be empty.
+        """
+        fixed = self.apply(content).splitlines(keepends=True)
+        buggy = content.splitlines(keepends=True)
+        hunks = [
+            op
+            for op in difflib.SequenceMatcher(a=buggy, b=fixed, autojunk=False).get_opcodes()
+            if op[0] != "equal"
+        ]
+        b_start, b_end, f_start, f_end = hunks[0][1], hunks[-1][2], hunks[0][3], hunks[-1][4]
+        if b_start == b_end:
+            above = len(buggy[b_start - 1]) if b_start > 0 else None
+            below = len(buggy[b_end]) if b_end < len(buggy) else None
+            if above is None or (below is not None and below < above):
+                b_end, f_end = b_end + 1, f_end + 1
+            else:
+                b_start, f_start = b_start - 1, f_start - 1
+        return LineEdit(path=self.path, start_line=b_start + 1, end_line=b_end,
+                        new_text="".join(fixed[f_start:f_end]))
+
+
+@dataclass(frozen=True)
+class LineEdit:
+    """An edit addressed by line numbers, in the shape of the replace_lines tool's arguments."""
+
+    path: str
+    """File to edit, relative to the repository root."""
+    start_line: int
+    """First replaced line (1-based)."""
+    end_line: int
+    """Last replaced line (inclusive)."""
+    new_text: str
+    """Text that takes the place of those lines."""
+
+    def apply(self, content: str) -> str:
+        lines = content.splitlines(keepends=True)
+        return "".join(lines[: self.start_line - 1]) + self.new_text + "".join(lines[self.end_line :])
+
 
 @dataclass(frozen=True)
 class CodingTask:

@@ -1,7 +1,9 @@
 """A deterministic expert for toy tasks: the exact tool calls that solve a CodingTask.
 
-It knows the reference fix (task.solution), so it reads the buggy module, applies the fix with
-edit_file and runs the visible tests. Its turns are replayed by training.agent.scripted's
+It knows the reference fix (task.solution), so it reads the buggy module, rewrites the faulty lines
+with replace_lines (addressed by the line numbers read_file showed, so the model that learns from it
+writes the fixed line once instead of copying the faulty one exactly, as edit_file's old_str needs)
+and runs the visible tests. Its turns are replayed by training.agent.scripted's
 ScriptedExpertPolicy through the real agent loop in a real sandbox, so the recorded trajectory holds
 genuine tool outputs in exactly the format the model sees in product and RL; a trajectory is kept
 only when the hidden tests then pass.
@@ -41,6 +43,7 @@ class ExpertTrajectory:
 def toy_expert_policy(task: CodingTask) -> ScriptedExpertPolicy:
     """The scripted turns that solve `task`: read the module, fix it, run the tests, report."""
     fix = task.solution
+    lines = fix.as_line_range(task.files[fix.path])
     return ScriptedExpertPolicy(
         turns=[
             ScriptedTurn(
@@ -49,7 +52,8 @@ def toy_expert_policy(task: CodingTask) -> ScriptedExpertPolicy:
             ),
             ScriptedTurn(
                 content="I found the faulty line; fixing it.",
-                calls=(("edit_file", {"path": fix.path, "old_str": fix.old_text, "new_str": fix.new_text}),),
+                calls=(("replace_lines", {"path": fix.path, "start_line": lines.start_line,
+                                          "end_line": lines.end_line, "new_text": lines.new_text}),),
             ),
             ScriptedTurn(
                 content="Now I run the test suite to confirm the fix.",

@@ -13,13 +13,12 @@ from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from sandboxes.tools import TOOL_NAMES
 from webapp.agents import selectors, services
 from webapp.agents.forms import RepositoryForm, TaskSubmitForm
 from webapp.agents.models import AgentTask
 from webapp.core.selectors import owned_get_for_change
 
-TOOL_NAMES = ("read_file", "list_dir", "edit_file", "create_file", "grep", "semantic_search", "read_lints",
-              "run_terminal", "todo_write")
 
 
 def builtin_base_url_for(request) -> str:

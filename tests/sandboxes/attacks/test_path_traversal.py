@@ -43,6 +43,8 @@ def test_symlink_out_is_refused_by_every_file_tool(sandbox):
     assert call(sandbox, "list_dir", path="rel_dir").meta["error"] == "PathOutsideWorkspace"
     edit = call(sandbox, "edit_file", path="abs_link", old_str="root", new_str="toor")
     assert not edit.ok and "outside the workspace" in edit.output
+    by_line = call(sandbox, "replace_lines", path="abs_link", start_line=1, end_line=1, new_text="toor\n")
+    assert not by_line.ok and "outside the workspace" in by_line.output
     written = call(sandbox, "create_file", path="rel_dir/evil", content="x", overwrite=True)
     assert not written.ok and written.meta["error"] == "PathOutsideWorkspace"
     # A symlink that stays inside the workspace keeps working.
