@@ -19,7 +19,7 @@ Layout (one turn per message):
     {tool output}<|im_end|>
 
 Tool schemas are shown as TypeScript-like signatures (as in OpenAI's Harmony format) rather than as
-JSON: the nine sandbox tools take 1.1k tokens this way against 2.3k as JSON with the 2048-token BPE,
+JSON: the ten sandbox tools take 1.3k tokens this way against 2.4k as JSON with the 2048-token BPE,
 which halves the prefix every training sequence and every rollout pays for. The model still writes
 its calls as JSON objects; the server validates arguments against the full schema.
 

@@ -208,5 +208,7 @@ def test_sandbox_tool_preamble_is_compact():
     json_ids = tokenizer.encode("\n".join(json.dumps(tool["function"]) for tool in openai_tool_schemas()))
     assert len(ids) < 0.6 * len(json_ids)
     text = render_messages([], openai_tool_schemas())
-    for name in ("read_file(path: string", "edit_file(path: string, old_str: string, new_str: string)", "run_terminal("):
+    for name in ("read_file(path: string", "edit_file(path: string, old_str: string, new_str: string)",
+                 "replace_lines(path: string, start_line: integer, end_line: integer, new_text: string)",
+                 "run_terminal("):
         assert name in text

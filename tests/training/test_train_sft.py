@@ -33,7 +33,6 @@ def expert_run():
 def test_scripted_expert_solves_toy_task_with_exact_tool_calls(expert_run):
     task, trajectory = expert_run
     assert trajectory.reward == 1.0
-    lines = task.solution.as_line_range(task.files[task.solution.path])
     calls = [
         (call["function"]["name"], json.loads(call["function"]["arguments"]))
         for message in trajectory.messages
@@ -42,13 +41,27 @@ def test_scripted_expert_solves_toy_task_with_exact_tool_calls(expert_run):
     ]
     assert calls == [
         ("read_file", {"path": task.solution.path}),
-        ("replace_lines", {"path": task.solution.path, "start_line": lines.start_line, "end_line": lines.end_line,
-                           "new_text": lines.new_text}),
+        ("edit_file", {"path": task.solution.path, "old_str": task.solution.old_text, "new_str": task.solution.new_text}),
         ("run_terminal", {"command": task.test_command}),
     ]
     tool_outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     assert "Edited" in tool_outputs[1] and "OK" in tool_outputs[2]  # real tool results, tests passing
     assert len(toy_expert_policy(task).turns) == 3
+
+
+def test_scripted_expert_can_fix_by_line_range():
+    task = generate_toy_task(7)
+    trajectory = expert_trajectory_create(task=task, backend=get_backend("local"), edit_tool="replace_lines")
+    assert trajectory.reward == 1.0
+    lines = task.solution.as_line_range(task.files[task.solution.path])
+    edit_call = trajectory.messages[4]["tool_calls"][0]["function"]
+    assert edit_call["name"] == "replace_lines"
+    assert json.loads(edit_call["arguments"]) == {
+        "path": task.solution.path, "start_line": lines.start_line, "end_line": lines.end_line,
+        "new_text": lines.new_text,
+    }
+    with pytest.raises(ValueError, match="edit_tool must be one of"):
+        toy_expert_policy(task, edit_tool="sed")
 
 
 def test_loss_mask_covers_exactly_the_assistant_completions(expert_run, tokenizer):

@@ -90,8 +90,9 @@ class AsyncRLConfig:
     max_turns: int = 4
     """Tool-calling turns per rollout."""
     max_tokens_per_turn: int = 256
-    """Completion tokens per model call. The toy tier's fixing edit (message + edit_file call) takes
-    up to ~200 tokens of the default tokenizer (99 median), so a lower cap makes tasks unsolvable."""
+    """Completion tokens per model call. The toy tier's fixing edit takes up to ~200 tokens of the default
+    tokenizer as an edit_file call (99 median) and up to 114 as the expert's replace_lines call (87
+    median), so a lower cap makes tasks unsolvable."""
     context_tokens: int = 4096
     """Context the agent loop may fill; must fit the model's max_seq_len."""
     temperature: float = 1.0

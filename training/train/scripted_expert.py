@@ -1,9 +1,9 @@
 """A deterministic expert for toy tasks: the exact tool calls that solve a CodingTask.
 
-It knows the reference fix (task.solution), so it reads the buggy module, rewrites the faulty lines
-with replace_lines (addressed by the line numbers read_file showed, so the model that learns from it
-writes the fixed line once instead of copying the faulty one exactly, as edit_file's old_str needs)
-and runs the visible tests. Its turns are replayed by training.agent.scripted's
+It knows the reference fix (task.solution), so it reads the buggy module, applies the fix and runs
+the visible tests. The fix goes through edit_file (search/replace: the learner must copy the faulty
+text exactly) or, with edit_tool="replace_lines", through the line range read_file numbered (the
+learner must name the right line number instead). Its turns are replayed by training.agent.scripted's
 ScriptedExpertPolicy through the real agent loop in a real sandbox, so the recorded trajectory holds
 genuine tool outputs in exactly the format the model sees in product and RL; a trajectory is kept
 only when the hidden tests then pass.
@@ -40,10 +40,25 @@ class ExpertTrajectory:
     """Hidden-test reward of the final workspace (1.0 for a verified solution)."""
 
 
-def toy_expert_policy(task: CodingTask) -> ScriptedExpertPolicy:
-    """The scripted turns that solve `task`: read the module, fix it, run the tests, report."""
+EDIT_TOOLS = ("edit_file", "replace_lines")
+"""Tools the expert can fix a file with."""
+
+
+def _fix_call(task: CodingTask, edit_tool: str) -> tuple[str, dict]:
     fix = task.solution
-    lines = fix.as_line_range(task.files[fix.path])
+    if edit_tool == "edit_file":
+        return "edit_file", {"path": fix.path, "old_str": fix.old_text, "new_str": fix.new_text}
+    if edit_tool == "replace_lines":
+        lines = fix.as_line_range(task.files[fix.path])
+        return "replace_lines", {"path": fix.path, "start_line": lines.start_line, "end_line": lines.end_line,
+                                 "new_text": lines.new_text}
+    raise ValueError(f"edit_tool must be one of {EDIT_TOOLS}, got {edit_tool!r}")
+
+
+def toy_expert_policy(task: CodingTask, *, edit_tool: str = "edit_file") -> ScriptedExpertPolicy:
+    """The scripted turns that solve `task`: read the module, fix it with `edit_tool`, run the tests, report."""
+    fix = task.solution
+    fix_call = _fix_call(task, edit_tool)
     return ScriptedExpertPolicy(
         turns=[
             ScriptedTurn(
@@ -52,8 +67,7 @@ def toy_expert_policy(task: CodingTask) -> ScriptedExpertPolicy:
             ),
             ScriptedTurn(
                 content="I found the faulty line; fixing it.",
-                calls=(("replace_lines", {"path": fix.path, "start_line": lines.start_line,
-                                          "end_line": lines.end_line, "new_text": lines.new_text}),),
+                calls=(fix_call,),
             ),
             ScriptedTurn(
                 content="Now I run the test suite to confirm the fix.",
@@ -65,13 +79,14 @@ def toy_expert_policy(task: CodingTask) -> ScriptedExpertPolicy:
 
 
 def expert_trajectory_create(
-    *, task: CodingTask, backend: SandboxBackend, limits: AgentLimits | None = None
+    *, task: CodingTask, backend: SandboxBackend, limits: AgentLimits | None = None, edit_tool: str = "edit_file"
 ) -> ExpertTrajectory:
     """Run the expert on `task` in a fresh sandbox and return its trajectory if the hidden tests pass."""
+    policy = toy_expert_policy(task, edit_tool=edit_tool)
     sandbox = task_sandboxes_create(backend=backend, task=task)[0]
     try:
         result = run_agent(
-            sandbox=sandbox, policy=toy_expert_policy(task), prompt=task.prompt, limits=limits or AgentLimits()
+            sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits or AgentLimits()
         )
         if result.status != "succeeded":
             raise ExpertTrajectoryError(f"{task.task_id}: expert run ended {result.status}: {result.reason}")

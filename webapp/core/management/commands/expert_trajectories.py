@@ -21,6 +21,8 @@ class Command(BaseCommand):
         parser.add_argument("--start", type=int, default=0, help="index of the first task in the train split")
         parser.add_argument("--output", required=True, help="JSONL file; existing task ids are skipped")
         parser.add_argument("--sandbox-backend", default=None, help="backend the expert runs in")
+        parser.add_argument("--edit-tool", default="edit_file", choices=("edit_file", "replace_lines"),
+                            help="tool the expert fixes the file with")
 
     def handle(self, *args, **options):
         from sandboxes import get_backend
@@ -49,7 +51,7 @@ class Command(BaseCommand):
                 if task.task_id in done:
                     continue
                 try:
-                    trajectory = expert_trajectory_create(task=task, backend=backend)
+                    trajectory = expert_trajectory_create(task=task, backend=backend, edit_tool=options["edit_tool"])
                 except ExpertTrajectoryError as error:
                     raise CommandError(str(error)) from error
                 sink.write(json.dumps({"task_id": task.task_id, "messages": trajectory.messages}) + "\n")
