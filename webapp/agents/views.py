@@ -20,7 +20,6 @@ from webapp.agents.models import AgentTask
 from webapp.core.selectors import owned_get_for_change
 
 
-
 def builtin_base_url_for(request) -> str:
     """This server's /v1 as the submitting client reached it (workers may override via settings)."""
     return settings.AGENT_BUILTIN_BASE_URL or request.build_absolute_uri("/v1").rstrip("/")
