@@ -41,12 +41,10 @@ class FileEdit:
         """
         fixed = self.apply(content).splitlines(keepends=True)
         buggy = content.splitlines(keepends=True)
-        hunks = [
-            op
-            for op in difflib.SequenceMatcher(a=buggy, b=fixed, autojunk=False).get_opcodes()
-            if op[0] != "equal"
-        ]
-        b_start, b_end, f_start, f_end = hunks[0][1], hunks[-1][2], hunks[0][3], hunks[-1][4]
+        span = changed_line_span(buggy, fixed)
+        if span is None:
+            raise TaskError(f"{self.path}: the edit changes nothing")
+        b_start, b_end, f_start, f_end = span
         if b_start == b_end:
             above = len(buggy[b_start - 1]) if b_start > 0 else None
             below = len(buggy[b_end]) if b_end < len(buggy) else None
@@ -148,6 +146,19 @@ class CodingTask:
         return root
 
 
+def changed_line_span(buggy_lines: list[str], fixed_lines: list[str]) -> tuple[int, int, int, int] | None:
+    """(buggy start, buggy end, fixed start, fixed end), 0-based half-open, of the lines between the first
+    and the last difference of two line lists; None when they are equal."""
+    hunks = [
+        op
+        for op in difflib.SequenceMatcher(a=buggy_lines, b=fixed_lines, autojunk=False).get_opcodes()
+        if op[0] != "equal"
+    ]
+    if not hunks:
+        return None
+    return hunks[0][1], hunks[-1][2], hunks[0][3], hunks[-1][4]
+
+
 def minimal_fix_edit(*, path: str, buggy: str, fixed: str) -> FileEdit:
     """The smallest unique search/replace edit that turns `buggy` into `fixed`.
 
@@ -156,15 +167,10 @@ def minimal_fix_edit(*, path: str, buggy: str, fixed: str) -> FileEdit:
     """
     buggy_lines = buggy.splitlines(keepends=True)
     fixed_lines = fixed.splitlines(keepends=True)
-    hunks = [
-        op
-        for op in difflib.SequenceMatcher(a=buggy_lines, b=fixed_lines, autojunk=False).get_opcodes()
-        if op[0] != "equal"
-    ]
-    if not hunks:
+    span = changed_line_span(buggy_lines, fixed_lines)
+    if span is None:
         raise TaskError(f"{path}: buggy and fixed text are identical")
-    first, last = hunks[0], hunks[-1]
-    b_start, b_end, f_start, f_end = first[1], last[2], first[3], last[4]
+    b_start, b_end, f_start, f_end = span
     while True:
         old_text = "".join(buggy_lines[b_start:b_end])
         if old_text.strip() and buggy.count(old_text) == 1:

@@ -21,7 +21,9 @@ class Command(BaseCommand):
         parser.add_argument("--start", type=int, default=0, help="index of the first task in the train split")
         parser.add_argument("--output", required=True, help="JSONL file; existing task ids are skipped")
         parser.add_argument("--sandbox-backend", default=None, help="backend the expert runs in")
-        parser.add_argument("--edit-tool", default="edit_file", choices=("edit_file", "replace_lines"),
+        from training.train.scripted_expert import EDIT_TOOLS
+
+        parser.add_argument("--edit-tool", default=EDIT_TOOLS[0], choices=EDIT_TOOLS,
                             help="tool the expert fixes the file with")
 
     def handle(self, *args, **options):
