@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, prompts, params = decode_workload(size=args.size, workload=args.workload, batch=args.batch)
-    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024))
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024, prefix_cache_size=0))
 
     def run(name: str) -> tuple[float, list[list[int]]]:
         moe_experts.USE_GROUPED_MM_WITHOUT_AUTOGRAD, moe.DENSE_DECODE_MAX_ROWS = PATHS[name]

@@ -42,7 +42,7 @@ def main() -> None:
     )
     engines = {
         name: GenerationEngine(
-            model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024, fused_forward=fused)
+            model, config=EngineConfig(max_batch_size=args.batch, max_seq_len=1024, fused_forward=fused, prefix_cache_size=0)
         )
         for name, fused in (("reference", False), ("fused", True))
     }

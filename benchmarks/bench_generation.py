@@ -74,7 +74,7 @@ def engine_runner(
     model: MoETransformer, prompts: list[list[int]], lengths: list[int], batch: int, temperature: float
 ) -> Callable[[], None]:
     """All requests go to the engine at once; it keeps `batch` slots busy (continuous batching)."""
-    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=batch, max_seq_len=1024))
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=batch, max_seq_len=1024, prefix_cache_size=0))
     params = [
         SamplingParams(max_tokens=n, temperature=temperature, top_p=1.0, seed=i)
         for i, n in enumerate(lengths)

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="updates of linear learning-rate warmup")
     parser.add_argument("--gain-lr-scale", type=float, default=1.0,
                         help="learning-rate multiplier for normalisation gains (1-D parameters)")
     parser.add_argument("--negative-advantage-weight", type=float, default=1.0,
@@ -114,6 +115,7 @@ def main() -> None:
         max_tokens_per_turn=args.max_tokens_per_turn,
         temperature=args.temperature,
         lr=args.lr,
+        warmup_steps=args.warmup_steps,
         negative_advantage_weight=args.negative_advantage_weight,
         gain_lr_scale=args.gain_lr_scale,
         keep_checkpoints=3,

@@ -100,7 +100,11 @@ class AsyncRLConfig:
     rollout_wall_time_s: float = 300.0
     """Wall-clock limit of one rollout's agent loop."""
     lr: float = 1e-5
-    """Constant learning rate of the policy update."""
+    """Learning rate of the policy update (constant after the warmup)."""
+    warmup_steps: int = 0
+    """Updates of linear warmup from ~0 to lr. A fresh Adam's first steps move every parameter by ~lr
+    whatever the gradient's size (its second-moment estimate is still one sample), so learning rates
+    above ~3e-5 wreck the tiny policy within a few updates unless they are ramped up."""
     gain_lr_scale: float = 1.0
     """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
     learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
@@ -150,6 +154,8 @@ class AsyncRLConfig:
             raise AsyncRLConfigError("temperature must be > 0: greedy rollouts of one task are identical")
         if self.lr <= 0:
             raise AsyncRLConfigError("lr must be > 0")
+        if self.warmup_steps < 0:
+            raise AsyncRLConfigError(f"warmup_steps must be >= 0 (0 starts at the full lr), got {self.warmup_steps}")
         if self.gain_lr_scale <= 0:
             raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
         if not 0 <= self.negative_advantage_weight <= 1:
@@ -528,7 +534,7 @@ def run_async_rl(
     model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
     model.train()
     optimizer_config = OptimizerConfig(
-        lr=config.lr, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0, gain_lr_scale=config.gain_lr_scale
+        lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=0.0, min_lr_ratio=1.0, gain_lr_scale=config.gain_lr_scale
     )
     optimizer = build_optimizer(model, optimizer_config)
     lr_schedule = build_scheduler(optimizer, optimizer_config, total_steps=config.steps)
