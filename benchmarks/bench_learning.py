@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--inference-actors", type=int, default=1)
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -111,6 +112,7 @@ def main() -> None:
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
         rollout_workers=args.workers,
+        inference_actors=args.inference_actors,
         max_turns=args.max_turns,
         max_tokens_per_turn=args.max_tokens_per_turn,
         temperature=args.temperature,

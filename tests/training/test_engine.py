@@ -191,3 +191,62 @@ def test_sampling_paths_agree_row_by_row():
     greedy_tokens, greedy_logprobs = sample([3], [0.0], [1.0])
     assert torch.equal(mixed_tokens, torch.cat([sampled_tokens, greedy_tokens]))
     torch.testing.assert_close(mixed_logprobs, torch.cat([sampled_logprobs, greedy_logprobs]))
+
+
+def test_prefix_cache_reuses_earlier_turns_without_changing_the_results(model):
+    """A prompt that extends a finished conversation prefills only its new tokens, and its samples,
+    logprobs and recorded experts equal those of an engine that prefills everything."""
+    generator = torch.Generator().manual_seed(11)
+    shared = torch.randint(8, 2048, (60,), generator=generator).tolist()
+    first = shared + torch.randint(8, 2048, (20,), generator=generator).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3)
+    cached = GenerationEngine(model, config=EngineConfig(max_batch_size=2, prefix_cache_size=4, min_prefix_tokens=16))
+    plain = GenerationEngine(model, config=EngineConfig(max_batch_size=2, prefix_cache_size=0))
+    turn = cached.generate([first], params)[0]
+    assert cached.prefix_stats["hits"] == 0
+    # the next turn repeats the conversation; another request shares only the opening
+    follow_up = first + turn.token_ids + torch.randint(8, 2048, (15,), generator=generator).tolist()
+    other = shared + [9] * 10
+    got = cached.generate([follow_up, other], params)
+    want = plain.generate([follow_up, other], params)
+    assert cached.prefix_stats["hits"] == 2
+    assert cached.prefix_stats["reused_tokens"] == len(first) + len(turn.token_ids) - 1 + len(shared)
+    for new, reference in zip(got, want, strict=True):
+        assert new.token_ids == reference.token_ids
+        torch.testing.assert_close(torch.tensor(new.logprobs), torch.tensor(reference.logprobs), rtol=1e-4, atol=1e-4)
+        assert torch.equal(new.routed_experts, reference.routed_experts)
+
+
+def test_prefix_cache_is_dropped_when_the_weights_change():
+    torch.manual_seed(1)
+    model = MoETransformer(ModelConfig.named("tiny", max_seq_len=256, init_std=0.2)).eval()
+    prompt = _prompts(1, seed=5)[0] * 6
+    params = SamplingParams(max_tokens=6, temperature=0)
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=1, prefix_cache_size=4, min_prefix_tokens=8))
+    engine.generate([prompt], params)
+    engine.generate([prompt], params)
+    assert engine.prefix_stats["hits"] == 1
+    # an optimizer-style in-place update, then a load_state_dict (the RL weight push)
+    with torch.no_grad():
+        model.layers[0].attention.wq.weight.mul_(-1.0)
+    after_step = engine.generate([prompt], params)[0]
+    assert engine.prefix_stats["hits"] == 1
+    fresh = GenerationEngine(model, config=EngineConfig(max_batch_size=1, prefix_cache_size=0))
+    assert after_step.token_ids == fresh.generate([prompt], params)[0].token_ids
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state["layers.0.attention.wq.weight"].mul_(-1.0)
+    model.load_state_dict(state)
+    engine.generate([prompt], params)
+    assert engine.prefix_stats["hits"] == 1
+
+
+def test_prefix_cache_evicts_the_least_recently_used_entry(model):
+    prompts = [[index + 10] * 40 for index in range(3)]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=1, prefix_cache_size=2, min_prefix_tokens=8))
+    for prompt in prompts:
+        engine.generate([prompt], params)
+    engine.generate([prompts[0] + [5]], params)  # evicted: no hit
+    assert engine.prefix_stats["hits"] == 0
+    engine.generate([prompts[2] + [5]], params)
+    assert engine.prefix_stats["hits"] == 1

@@ -192,3 +192,56 @@ def test_gain_lr_scale_gives_one_dimensional_parameters_their_own_step_size():
     assert gain_step == pytest.approx(1e-2, rel=0.01) and bias_step == pytest.approx(1e-2, rel=0.01)
     with pytest.raises(TrainConfigError, match="gain_lr_scale must be positive"):
         OptimizerConfig(gain_lr_scale=0.0)
+
+
+def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpoint):
+    """A rollout's second call repeats the first call's prompt and completion: merged into one row, the
+    update's gradient is that of the two separate rows, and the shared prefix is computed once."""
+    from training.train.rollouts import RolloutRecord, Segment
+
+    model, _, _ = load_checkpoint(checkpoint)
+    generator = torch.Generator().manual_seed(4)
+
+    def tokens(count):
+        return torch.randint(8, 2000, (count,), generator=generator).tolist()
+
+    def routing(count):
+        return torch.randint(0, model.config.n_experts, (count, model.config.n_layers, model.config.top_k),
+                             generator=generator)
+
+    first_prompt, first_completion = tokens(40), tokens(6)
+    second_prompt = first_prompt + first_completion + tokens(12)
+    second_completion = tokens(5)
+    unrelated_prompt, unrelated_completion = tokens(30), tokens(4)  # re-rendered history: no common prefix
+    # the same weights route the shared prefix the same way in both calls
+    first_routing = routing(45)
+    second_routing = torch.cat([first_routing, routing(17)])
+    segments = [
+        Segment(first_prompt, first_completion, [-1.0] * 6, first_routing),
+        Segment(second_prompt, second_completion, [-2.0] * 5, second_routing),
+        Segment(unrelated_prompt, unrelated_completion, [-1.5] * 4, routing(33)),
+    ]
+    record = RolloutRecord(task_id="t", group=0, valid=True, reward=1.0, passed=True, segments=segments)
+    advantages = torch.tensor([0.5])
+    config = RLConfig(run_dir="unused", init_checkpoint=checkpoint, temperature=0.8)
+
+    def gradient(merge):
+        batches = segments_to_batches(records=[record], advantages=advantages, micro_batch_size=1, pad_id=0,
+                                      with_routing=True, merge_turns=merge)
+        model.zero_grad()
+        total = float(sum(batch.loss_mask.sum() for batch in batches))
+        for batch in batches:
+            logprobs = segment_logprobs(model, batch, temperature=0.8, routing_replay=True)
+            loss = -(logprobs * batch.loss_mask * batch.advantages[:, None]).sum() / total
+            loss.backward()
+        return batches, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    merged_batches, merged = gradient(True)
+    separate_batches, separate = gradient(False)
+    assert len(merged_batches) == 2 and len(separate_batches) == 3
+    assert merged_batches[0].input_ids.shape[1] == len(second_prompt) + len(second_completion) - 1
+    assert merged_batches[0].loss_mask.sum() == 11
+    assert torch.equal(merged_batches[0].routed_experts[0], second_routing.long())
+    assert torch.equal(merged_batches[0].behaviour_logprobs[0, 39:45], torch.full((6,), -1.0))
+    torch.testing.assert_close(merged, separate, rtol=1e-4, atol=1e-6)
+    del config

@@ -648,6 +648,7 @@ def run_async_rl(
             micro_batch_size=1,
             pad_id=tokenizer.pad_id,
             with_routing=model.config.is_moe,
+            merge_turns=update_config.grpo.normalization == "token",
         )
         update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
         if update_stats.get("trained_tokens"):

@@ -201,44 +201,50 @@ def segments_to_batches(
     micro_batch_size: int,
     pad_id: int,
     with_routing: bool,
+    merge_turns: bool = True,
 ) -> list[TrainingSegments]:
     """Every model call of every valid rollout with a nonzero advantage as a training row.
 
     Invalid rollouts contribute nothing. Rollouts with zero advantage (a group whose rollouts all
     scored the same) carry no gradient; leaving them out keeps them from diluting the token-level
     normaliser, as DAPO's dynamic sampling does (without its over-sampling to refill the batch).
+
+    merge_turns: a call whose prompt begins with an earlier call's prompt and completion (the next turn
+    of the conversation, when the history re-renders to the same tokens) shares one row with it, with
+    both completions in the loss. Causal attention gives every token the same logprob as in its own
+    row, so the loss is unchanged under token-level normalisation, and the common prefix is computed
+    once instead of once per turn (it is most of each row). Leave it off for per-sequence normalisation.
     """
-    rows = []
+    rows: list[tuple[_Row, float]] = []
     for record, advantage in zip(records, advantages.tolist(), strict=True):
         if not record.valid or advantage == 0.0:
             continue
-        for segment in record.segments:
-            if not segment.token_ids:
-                continue
-            rows.append((segment, advantage))
+        segments = [segment for segment in record.segments if segment.token_ids]
+        rows.extend((row, advantage) for row in _segment_rows(segments, merge=merge_turns))
     batches = []
     for start in range(0, len(rows), micro_batch_size):
         chunk = rows[start : start + micro_batch_size]
-        length = max(len(s.prompt_token_ids) + len(s.token_ids) - 1 for s, _ in chunk)
+        length = max(len(row.tokens) - 1 for row, _ in chunk)
         size = len(chunk)
         input_ids = torch.full((size, length), pad_id, dtype=torch.long)
         targets = torch.full((size, length), pad_id, dtype=torch.long)
         loss_mask = torch.zeros(size, length)
         behaviour = torch.zeros(size, length)
         routing = None
-        for row, (segment, _) in enumerate(chunk):
-            sequence = torch.tensor(segment.prompt_token_ids + segment.token_ids, dtype=torch.long)
+        for index, (row, _) in enumerate(chunk):
+            sequence = torch.tensor(row.tokens, dtype=torch.long)
             n = sequence.shape[0] - 1
-            input_ids[row, :n] = sequence[:-1]
-            targets[row, :n] = sequence[1:]
-            first = len(segment.prompt_token_ids) - 1
-            loss_mask[row, first:n] = 1.0
-            behaviour[row, first:n] = torch.tensor(segment.logprobs, dtype=torch.float32)
-            if with_routing and segment.routed_experts is not None:
-                recorded = segment.routed_experts.to(torch.long)
-                if routing is None:
-                    routing = torch.zeros((size, length, *recorded.shape[1:]), dtype=torch.long)
-                routing[row, : recorded.shape[0]] = recorded
+            input_ids[index, :n] = sequence[:-1]
+            targets[index, :n] = sequence[1:]
+            for first, logprobs in row.completions:
+                loss_mask[index, first : first + len(logprobs)] = 1.0
+                behaviour[index, first : first + len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+            if with_routing and row.routing:
+                for recorded in row.routing:
+                    recorded = recorded.to(torch.long)
+                    if routing is None:
+                        routing = torch.zeros((size, length, *recorded.shape[1:]), dtype=torch.long)
+                    routing[index, : recorded.shape[0]] = recorded
         batches.append(
             TrainingSegments(
                 input_ids=input_ids, targets=targets, loss_mask=loss_mask, behaviour_logprobs=behaviour,
@@ -247,6 +253,31 @@ def segments_to_batches(
             )
         )
     return batches
+
+
+@dataclass
+class _Row:
+    tokens: list[int]
+    """Prompt and completion of the row's last call."""
+    completions: list[tuple[int, list[float]]]
+    """(input position of the first sampled token's prediction, behaviour logprobs) per merged call."""
+    routing: list[torch.Tensor]
+    """Recorded routing of the calls, longest last: each call's own rows win over a later call's copy."""
+
+
+def _segment_rows(segments: list, *, merge: bool) -> list[_Row]:
+    rows: list[_Row] = []
+    for segment in segments:
+        tokens = segment.prompt_token_ids + segment.token_ids
+        completion = (len(segment.prompt_token_ids) - 1, list(segment.logprobs))
+        routing = [segment.routed_experts] if segment.routed_experts is not None else []
+        previous = rows[-1] if rows else None
+        if merge and previous is not None and segment.prompt_token_ids[: len(previous.tokens)] == previous.tokens:
+            # the later call's routing first, then the earlier calls' own rows over their span
+            rows[-1] = _Row(tokens, [*previous.completions, completion], routing + previous.routing)
+        else:
+            rows.append(_Row(tokens, [completion], routing))
+    return rows
 
 
 def segment_logprobs(
@@ -318,6 +349,7 @@ def rl(
             batches = segments_to_batches(
                 records=records, advantages=advantages, micro_batch_size=config.micro_batch_size,
                 pad_id=tokenizer.pad_id, with_routing=config.routing_replay and model.config.is_moe,
+                merge_turns=config.grpo.normalization == "token",
             )
 
             # 5. Clipped policy-gradient updates against the behaviour logprobs.
