@@ -11,6 +11,10 @@ previous turn finishes, as the agent loop does); the baseline prefills every pro
 
 Prints seconds per workload for each engine, the share of prompt tokens served from the cache, and the
 ratio baseline / cached (higher is better). Generation runs on one thread, as in the inference actor.
+
+It also times one long prefill (system prompt + task, as on a conversation's first turn) through the
+fused inference forward and through MoETransformer.forward, which the engine uses for inputs longer
+than training.engine.FUSED_MAX_TOKENS.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.engine import EngineConfig, GenerationEngine, SamplingParams
+from training.model.fused_forward import FusedForward
+from training.model.kv_cache import KVCache
 from training.model import ModelConfig, MoETransformer
 
 
@@ -55,6 +61,25 @@ def conversations_run(engine: GenerationEngine, args: argparse.Namespace) -> flo
                 prompts[index] = prompts[index] + event.result.token_ids + random_tokens(args.tool_tokens)
                 requests[engine.add_request(prompts[index], params[index])] = index
     return time.perf_counter() - started
+
+
+def prefill_seconds(model: MoETransformer, tokens: int, *, fused: bool, repeats: int = 3) -> float:
+    """Best-of-repeats time of one prefill of `tokens` tokens into an empty cache slot."""
+    cache = KVCache(model.config, max_batch_size=1, max_seq_len=model.config.max_seq_len)
+    input_ids = torch.randint(8, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    fused_forward = FusedForward(model)
+    best = float("inf")
+    for _ in range(repeats):
+        cache.release(0)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if fused:
+                fused_forward(input_ids, cache, slots=[0], starts=[0], return_routing=True)
+            else:
+                model(input_ids, kv_cache=cache, cache_slots=torch.tensor([0]), return_routing=True,
+                      compute_router_losses=False)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def main() -> None:
@@ -93,6 +118,14 @@ def main() -> None:
     print(
         f"{args.conversations} conversations x {args.turns} turns, {args.batch} slots: "
         f"speed-up {ratio:.2f}x (baseline / prefix cache)"
+    )
+    first_turn = args.system_tokens + args.task_tokens
+    fused = prefill_seconds(model, first_turn, fused=True)
+    unfused = prefill_seconds(model, first_turn, fused=False)
+    print(
+        f"prefill of {first_turn} tokens: fused forward {fused * 1000:.0f} ms, MoETransformer.forward "
+        f"{unfused * 1000:.0f} ms, ratio {fused / unfused:.2f}x (fused / forward; the engine takes the forward "
+        "for prefills)"
     )
 
 
