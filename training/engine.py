@@ -281,8 +281,25 @@ class GenerationEngine:
         """One forward over the right-padded prompts of all newly admitted sequences (after any prefix
         found in the prefix cache, which is copied into the slot instead)."""
         reused = self._reuse_prefixes(sequences)
+        events: list[TokenEvent] = []
+        # Rows are padded to the longest new part, so a row that starts deep into a cached prefix and a
+        # long fresh prompt could reach past the cache together: such rows go in separate forwards.
+        group: list[tuple[_Sequence, int]] = []
+        for sequence, start in zip(sequences, reused, strict=True):
+            candidate = [*group, (sequence, start)]
+            fits = max(s for _, s in candidate) + max(len(q.prompt) - s for q, s in candidate) <= self.max_seq_len
+            if group and not fits:
+                events.extend(self._prefill_rows(group))
+                candidate = [(sequence, start)]
+            group = candidate
+        events.extend(self._prefill_rows(group))
+        return events
+
+    def _prefill_rows(self, rows: list[tuple[_Sequence, int]]) -> list[TokenEvent]:
+        sequences = [sequence for sequence, _ in rows]
+        reused = [start for _, start in rows]
         prompt_lengths = [len(s.prompt) for s in sequences]
-        suffixes = [s.prompt[start:] for s, start in zip(sequences, reused, strict=True)]
+        suffixes = [s.prompt[start:] for s, start in rows]
         longest = max(len(suffix) for suffix in suffixes)
         input_ids = torch.tensor([suffix + [0] * (longest - len(suffix)) for suffix in suffixes], device=self.device)
         slots = [s.slot for s in sequences]
@@ -293,8 +310,8 @@ class GenerationEngine:
             prompt_lengths, device=self.device
         )
         if routed is not None:
-            for sequence, rows, suffix in zip(sequences, routed.unbind(0), suffixes, strict=True):
-                sequence.routing.append(rows[: len(suffix)])
+            for sequence, routes, suffix in zip(sequences, routed.unbind(0), suffixes, strict=True):
+                sequence.routing.append(routes[: len(suffix)])
         return self._sample_and_advance(sequences, logits)
 
     # ----------------------------------------------------------- prefix cache

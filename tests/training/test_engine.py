@@ -250,3 +250,21 @@ def test_prefix_cache_evicts_the_least_recently_used_entry(model):
     assert engine.prefix_stats["hits"] == 0
     engine.generate([prompts[2] + [5]], params)
     assert engine.prefix_stats["hits"] == 1
+
+
+def test_a_deep_cached_prefix_and_a_long_fresh_prompt_admitted_together_both_fit(model):
+    """Found by a 60-minute RL run: a row resuming 56 tokens into a cached prefix, padded to a fresh
+    40-token prompt's length in the same forward, reached past the cache and failed the whole batch."""
+    engine = GenerationEngine(
+        model, config=EngineConfig(max_batch_size=2, max_seq_len=64, prefix_cache_size=2, min_prefix_tokens=8)
+    )
+    plain = GenerationEngine(model, config=EngineConfig(max_batch_size=2, max_seq_len=64, prefix_cache_size=0))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = list(range(100, 155))
+    turn = engine.generate([first], params)[0]
+    deep = first + turn.token_ids + [7, 8]
+    fresh = list(range(300, 340))
+    got = engine.generate([deep, fresh], params)
+    assert engine.prefix_stats["hits"] == 1
+    want = plain.generate([deep, fresh], params)
+    assert [result.token_ids for result in got] == [result.token_ids for result in want]
