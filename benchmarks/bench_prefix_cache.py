@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.engine import EngineConfig, GenerationEngine, SamplingParams
+from training.model import ModelConfig, MoETransformer
 from training.model.fused_forward import FusedForward
 from training.model.kv_cache import KVCache
-from training.model import ModelConfig, MoETransformer
 
 
 def conversations_run(engine: GenerationEngine, args: argparse.Namespace) -> float:

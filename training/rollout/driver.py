@@ -103,8 +103,8 @@ class AsyncRLConfig:
     """Learning rate of the policy update (constant after the warmup)."""
     warmup_steps: int = 0
     """Updates of linear warmup from ~0 to lr. A fresh Adam's first steps move every parameter by ~lr
-    whatever the gradient's size (its second-moment estimate is still one sample), so learning rates
-    above ~3e-5 wreck the tiny policy within a few updates unless they are ramped up."""
+    whatever the gradient's size (its second-moment estimate is still one sample); a ramp lets that
+    estimate settle before the steps reach full size."""
     gain_lr_scale: float = 1.0
     """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
     learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
