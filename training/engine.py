@@ -19,7 +19,6 @@ since their keys and values were computed with the old weights; a hit changes lo
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 from training.model.fused_forward import FusedForward
 from training.model.kv_cache import KVCache
 from training.model.transformer import MoETransformer
+from training.model.weights_watch import WeightsWatch
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -185,16 +185,7 @@ class GenerationEngine:
         self._prefixes: OrderedDict[int, _CachedPrefix] = OrderedDict()
         self._prefix_ids = itertools.count()
         self._prefix_stamp: tuple | None = None
-        self._weight_loads = 0
-        this = weakref.ref(self)
-
-        def count_load(module: torch.nn.Module, incompatible_keys: object) -> None:
-            engine = this()
-            if engine is not None:
-                engine._weight_loads += 1
-
-        # held weakly, and removed with the engine, so engines built over one model do not pile up hooks
-        weakref.finalize(self, model.register_load_state_dict_post_hook(count_load).remove)
+        self._weights_watch = WeightsWatch(model)
         self.prefix_stats = {"lookups": 0, "hits": 0, "reused_tokens": 0, "prompt_tokens": 0}
         """Counters of the prefix cache: prompts admitted, prompts that reused a prefix, tokens reused
         and prompt tokens in all (reused_tokens / prompt_tokens is the share of prefill avoided)."""
@@ -315,21 +306,11 @@ class GenerationEngine:
         return self._sample_and_advance(sequences, logits)
 
     # ----------------------------------------------------------- prefix cache
-    def _weights_stamp(self) -> tuple:
-        # In-place updates (optimizer steps) bump _version, replaced tensors change data_ptr, and
-        # load_state_dict is counted by a hook, because tensors made in inference mode keep no version.
-        parameters = list(self.model.parameters())
-        return (
-            self._weight_loads,
-            tuple(p._version for p in parameters if not p.is_inference()),
-            tuple(p.data_ptr() for p in parameters),
-        )
-
     def _reuse_prefixes(self, sequences: list[_Sequence]) -> list[int]:
         """Copy the longest cached prefix of each prompt into its slot; returns the reused lengths."""
         if not self.config.prefix_cache_size:
             return [0] * len(sequences)
-        stamp = self._weights_stamp()
+        stamp = self._weights_watch.stamp()
         if stamp != self._prefix_stamp:
             self._prefixes.clear()
             self._prefix_stamp = stamp
@@ -340,7 +321,6 @@ class GenerationEngine:
             self.prefix_stats["lookups"] += 1
             self.prefix_stats["prompt_tokens"] += len(sequence.prompt)
             if key is None:
-                self.cache.lengths[sequence.slot] = 0
                 reused.append(0)
                 continue
             entry = self._prefixes[key]
@@ -374,7 +354,7 @@ class GenerationEngine:
         return (best_key, best_length) if best_key is not None else (None, 0)
 
     def _remember_prefix(self, sequence: _Sequence, routing: torch.Tensor | None) -> None:
-        if not self.config.prefix_cache_size or sequence.weights_stamp != self._weights_stamp():
+        if not self.config.prefix_cache_size or sequence.weights_stamp != self._weights_watch.stamp():
             return
         fed = (sequence.prompt + sequence.tokens)[:-1]
         if len(fed) < self.config.min_prefix_tokens:

@@ -223,7 +223,6 @@ def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpo
     ]
     record = RolloutRecord(task_id="t", group=0, valid=True, reward=1.0, passed=True, segments=segments)
     advantages = torch.tensor([0.5])
-    config = RLConfig(run_dir="unused", init_checkpoint=checkpoint, temperature=0.8)
 
     def gradient(merge):
         batches = segments_to_batches(records=[record], advantages=advantages, micro_batch_size=1, pad_id=0,
@@ -244,4 +243,3 @@ def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpo
     assert torch.equal(merged_batches[0].routed_experts[0], second_routing.long())
     assert torch.equal(merged_batches[0].behaviour_logprobs[0, 39:45], torch.full((6,), -1.0))
     torch.testing.assert_close(merged, separate, rtol=1e-4, atol=1e-6)
-    del config

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from training.model.kv_cache import KVCache
 from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
 from training.model.transformer import MoETransformer, TransformerBlock
+from training.model.weights_watch import WeightsWatch
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -98,13 +98,10 @@ class _LayerWeights:
 class _Weights:
     """Fused copies of one model's weights plus what they were built from, to detect changes."""
 
-    def __init__(self, model: MoETransformer) -> None:
+    def __init__(self, model: MoETransformer, stamp: tuple) -> None:
         config = model.config
-        self.sources = [*model.parameters(), *model.buffers()]
-        # Tensors made under torch.inference_mode keep no version counter: for those (a model built in
-        # inference mode) only storage changes and load_state_dict are seen.
-        self.versioned = [tensor for tensor in self.sources if not tensor.is_inference()]
-        self.stamp = self._stamp()
+        self.stamp = stamp
+        """The WeightsWatch stamp of the weights these copies were made from."""
         compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
         # [max_seq_len, 2, 1, head_dim]: one gather per forward yields cos and sin broadcastable over heads
         self.cos_sin = torch.stack([model.rotary.cos, model.rotary.sin], dim=1).unsqueeze(2).to(compute_dtype)
@@ -114,12 +111,6 @@ class _Weights:
         self.norm = _norm_scale(model.norm)
         self.output = model.output.weight
         self.layers = [self._layer(block, config.n_heads, config.n_kv_heads) for block in model.layers]
-
-    def _stamp(self) -> tuple[list[int], list[int]]:
-        return [tensor._version for tensor in self.versioned], [tensor.data_ptr() for tensor in self.sources]
-
-    def current(self) -> bool:
-        return self._stamp() == self.stamp
 
     @staticmethod
     def _layer(block: TransformerBlock, n_heads: int, n_kv_heads: int) -> _LayerWeights:
@@ -205,21 +196,12 @@ class FusedForward:
         self.norm_epsilon_root = torch.tensor(math.sqrt(config.d_model * config.norm_eps), device=device)
         self.autocast_dtype = None if config.precision == "fp32" else torch.bfloat16
         self._weights: _Weights | None = None
-        # assign=True replaces parameter objects, which the version stamps of the old ones cannot see.
-        # The hook holds this object weakly and goes with it, so engines built and dropped over one
-        # long-lived model do not pile up fused copies.
-        this = weakref.ref(self)
-
-        def forget_weights(module: torch.nn.Module, incompatible_keys: object) -> None:
-            fused = this()
-            if fused is not None:
-                fused._weights = None
-
-        weakref.finalize(self, model.register_load_state_dict_post_hook(forget_weights).remove)
+        self._watch = WeightsWatch(model)
 
     def weights(self) -> _Weights:
-        if self._weights is None or not self._weights.current():
-            self._weights = _Weights(self.model)
+        stamp = self._watch.stamp()
+        if self._weights is None or self._weights.stamp != stamp:
+            self._weights = _Weights(self.model, stamp)
         return self._weights
 
     @torch.inference_mode()

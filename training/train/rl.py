@@ -262,7 +262,8 @@ class _Row:
     completions: list[tuple[int, list[float]]]
     """(input position of the first sampled token's prediction, behaviour logprobs) per merged call."""
     routing: list[torch.Tensor]
-    """Recorded routing of the calls, longest last: each call's own rows win over a later call's copy."""
+    """Recorded routing of the calls, the last call's first: written in this order, each earlier call's
+    own rows overwrite the later call's copy of its span."""
 
 
 def _segment_rows(segments: list, *, merge: bool) -> list[_Row]:
