@@ -21,7 +21,32 @@ def ray_session():
     ray.shutdown()
 
 
-def _wait_for(predicate, timeout=20.0, what="condition"):
+@pytest.fixture
+def start_fleet(ray_session):
+    """Fleet.start, with the host actors killed when the test ends, passed or not.
+
+    A failed test would otherwise leave its named host actor alive for the next test (which then
+    cannot start a host of that name) and heartbeating into the database while it is being flushed.
+    """
+    from sandboxes.fleet.client import Fleet
+
+    fleets = []
+
+    def start(config):
+        fleets.append(Fleet.start(config))
+        return fleets[-1]
+
+    yield start
+    for fleet in fleets:
+        for host in fleet.hosts.values():
+            try:
+                ray_session.kill(host.actor)
+            except Exception:  # already killed by the test
+                pass
+
+
+# Generous: a host actor on a loaded 2-core machine can take many seconds to import Django and beat.
+def _wait_for(predicate, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -32,15 +57,15 @@ def _wait_for(predicate, timeout=20.0, what="condition"):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_fleet_queues_prioritises_heartbeats_and_loses_hosts(ray_session, tmp_path):
-    from sandboxes.fleet.client import Fleet, FleetConfig
+def test_fleet_queues_prioritises_heartbeats_and_loses_hosts(ray_session, start_fleet, tmp_path):
+    from sandboxes.fleet.client import FleetConfig
     from sandboxes.tools import ToolCall
     from tests.conftest import _test_database_env
     from webapp.fleet.models import SandboxHost, SandboxRecord
     from webapp.fleet.services import hosts_mark_lost
 
     env = _test_database_env()
-    fleet = Fleet.start(FleetConfig(backend="local", heartbeat_interval_s=0.5,
+    fleet = start_fleet(FleetConfig(backend="local", heartbeat_interval_s=0.5,
                                     env={"DATABASE_URL": env["DATABASE_URL"], "REDIS_URL": env["REDIS_URL"]}))
     [host] = fleet.hosts.values()
     assert host.slots == 2  # capacity is the node's sandbox_slots resource
@@ -110,13 +135,13 @@ def test_fleet_queues_prioritises_heartbeats_and_loses_hosts(ray_session, tmp_pa
 
 
 @pytest.mark.django_db(transaction=True)
-def test_clean_shutdown_marks_host_stopped(ray_session):
+def test_clean_shutdown_marks_host_stopped(ray_session, start_fleet):
     from sandboxes.fleet.client import Fleet, FleetConfig
     from tests.conftest import _test_database_env
     from webapp.fleet.models import SandboxHost
 
     env = _test_database_env()
-    fleet = Fleet.start(FleetConfig(backend="local", heartbeat_interval_s=0.2,
+    fleet = start_fleet(FleetConfig(backend="local", heartbeat_interval_s=0.2,
                                     env={"DATABASE_URL": env["DATABASE_URL"], "REDIS_URL": env["REDIS_URL"]}))
     [host] = fleet.hosts.values()
     _wait_for(lambda: SandboxHost.objects.filter(name=host.name).exists(), what="first heartbeat")
