@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import threading
@@ -253,6 +254,29 @@ def test_pass_at_k_and_wilson_interval():
     assert pass_at_k(n=4, c=1, k=2) == pytest.approx(0.5)
     low, high = wilson_interval(5, 10)
     assert low < 0.5 < high and high - low < 0.6
+
+
+def test_paired_difference_interval():
+    from training.bench.runner import BenchConfigError, paired_pass_at_1_difference
+
+    def rows(passes, attempts=4):
+        return [{"task_id": f"t{i}", "attempts": attempts, "passes": c} for i, c in enumerate(passes)]
+
+    # The same outcome on every task: no difference and no spread.
+    assert paired_pass_at_1_difference(rows([0, 2, 4]), rows([0, 2, 4])) == (0.0, 0.0, 0.0, 3)
+    # Every task gains one pass in four: +0.25 exactly, however different the tasks are.
+    difference, low, high, n = paired_pass_at_1_difference(rows([0, 1, 3, 2]), rows([1, 2, 4, 3]))
+    assert (difference, low, high, n) == (pytest.approx(0.25), pytest.approx(0.25), pytest.approx(0.25), 4)
+    # d = (+0.5, 0, -0.25, +0.75): mean 0.25, sd 0.4564 -> half-width 1.96 * 0.4564 / 2.
+    difference, low, high, _ = paired_pass_at_1_difference(rows([0, 2, 3, 1]), rows([2, 2, 2, 4]))
+    assert difference == pytest.approx(0.25)
+    assert high - difference == pytest.approx(1.96 * math.sqrt(0.2083333) / 2, rel=1e-4)
+    # Tasks with no scored attempt on either side (infrastructure failures only) are left out.
+    after = rows([1, 2, 4, 3])
+    after[0]["attempts"] = 0
+    assert paired_pass_at_1_difference(rows([0, 1, 3, 2]), after)[3] == 3
+    with pytest.raises(BenchConfigError, match="at least 2 tasks"):
+        paired_pass_at_1_difference(rows([1]), rows([1]))
 
 
 def test_demo_seed_is_idempotent(owner, state_dir):

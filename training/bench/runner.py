@@ -134,6 +134,33 @@ def wilson_interval(successes: float, total: int, z: float = 1.96) -> tuple[floa
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def paired_pass_at_1_difference(
+    before: list[dict], after: list[dict], z: float = 1.96
+) -> tuple[float, float, float, int]:
+    """pass@1 after - before on the same tasks, with a 95 % paired interval; tasks are the unit.
+
+    ``before`` and ``after`` are benchmark ``per_task`` rows. Each task scored in both contributes
+    d = pass@1_after - pass@1_before, and the interval is mean(d) +- z * sd(d) / sqrt(n). Pairing
+    removes the spread of task difficulty, which both evaluations share, from the error of the
+    difference; treating the two evaluations as independent samples would count it twice.
+    Returns (difference, low, high, tasks compared).
+    """
+    before_by_task = {row["task_id"]: row for row in before if row["attempts"] > 0}
+    differences = [
+        pass_at_k(n=row["attempts"], c=row["passes"], k=1)
+        - pass_at_k(n=before_by_task[row["task_id"]]["attempts"], c=before_by_task[row["task_id"]]["passes"], k=1)
+        for row in after
+        if row["attempts"] > 0 and row["task_id"] in before_by_task
+    ]
+    n = len(differences)
+    if n < 2:
+        raise BenchConfigError(f"a paired interval needs at least 2 tasks scored in both runs, got {n}")
+    mean = sum(differences) / n
+    variance = sum((d - mean) ** 2 for d in differences) / (n - 1)
+    half = z * math.sqrt(variance / n)
+    return mean, mean - half, mean + half, n
+
+
 @dataclass
 class TaskOutcome:
     """All attempts of one task."""
