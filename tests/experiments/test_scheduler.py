@@ -74,10 +74,18 @@ def test_continuous_mode_keeps_workers_busy_and_bounds_staleness():
     config = SchedulerConfig(max_in_flight=6, group_size=2, groups_per_step=1, max_staleness=2)
 
     straggler_may_finish = threading.Event()
+    all_slots_busy = threading.Event()
 
     def durations(request):
+        # The first wave holds its slots until all six run at once, so a loaded machine (a slow
+        # dispatch thread) cannot let one finish first; a scheduler that admits fewer times out here.
+        with harness.lock:
+            if harness.running >= 6:
+                all_slots_busy.set()
         if request.rollout_id == "g0/s0":
             straggler_may_finish.wait(timeout=30)
+        elif request.rollout_id.split("/")[0] in {"g0", "g1", "g2"}:
+            all_slots_busy.wait(timeout=10)
         return 0.01
 
     harness = Harness(config=config, durations=durations)
