@@ -7,6 +7,8 @@ training curves (reward, pass rate, tool calls per turn, staleness) from the dri
     .venv/bin/python benchmarks/bench_learning.py --init-checkpoint var/runs/sft/checkpoints/step-00000100 \\
         --minutes 60 --heldout 100 --attempts 4 --run-dir var/runs/learning
     .venv/bin/python benchmarks/bench_learning.py --evaluate-only models/demo --disable-tools semantic_search
+    .venv/bin/python benchmarks/bench_learning.py --evaluate-only var/ckpt/sft --output var/eval/sft.json
+    .venv/bin/python benchmarks/bench_learning.py --compare var/eval/sft.json var/eval/rl.json
 
 Goal: pass@1 after - before >= 15 points with the 95 % interval of the difference above zero (paired
 over the held-out tasks, which both evaluations share; the unpaired interval of runs before stop 20 is
@@ -86,7 +88,19 @@ def main() -> None:
                         help="only evaluate CHECKPOINT on the held-out tasks (no training)")
     parser.add_argument("--disable-tools", default="",
                         help="with --evaluate-only: comma-separated tools refused when called")
+    parser.add_argument("--output", default=None, metavar="JSON",
+                        help="with --evaluate-only: also write the summary with its per-task rows here")
+    parser.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE_JSON", "AFTER_JSON"),
+                        help="paired pass@1 difference of two --output files (same suite and settings)")
     args = parser.parse_args()
+    if args.compare:
+        before, after = (json.loads(Path(path).read_text()) for path in args.compare)
+        difference, low, high, tasks = paired_pass_at_1_difference(before["per_task"], after["per_task"])
+        print(
+            f"pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f}: {100 * difference:+.1f} points, "
+            f"paired 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] over {tasks} tasks"
+        )
+        return
     if args.init_checkpoint is None and args.evaluate_only is None:
         # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
         print(
@@ -99,6 +113,9 @@ def main() -> None:
         # One held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation of a run).
         disabled = tuple(name for name in args.disable_tools.split(",") if name)
         summary = evaluate(args.evaluate_only, args, disabled)
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(json.dumps(summary, indent=2))
         summary.pop("per_task")
         print(json.dumps(summary, indent=2))
         return

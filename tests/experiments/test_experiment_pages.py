@@ -279,6 +279,27 @@ def test_paired_difference_interval():
         paired_pass_at_1_difference(rows([1]), rows([1]))
 
 
+def test_bench_learning_compare_prints_the_paired_difference(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def summary(passes):
+        rows = [{"task_id": f"t{i}", "attempts": 4, "passes": c} for i, c in enumerate(passes)]
+        return {"pass_at_1": sum(passes) / (4 * len(passes)), "per_task": rows}
+
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps(summary([0, 2, 3, 1])))
+    after.write_text(json.dumps(summary([2, 2, 2, 4])))
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_learning.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--compare", str(before), str(after)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    # d = (+0.5, 0, -0.25, +0.75): +25 points, half-width 1.96 * 0.4564 / 2 = 44.7 points.
+    assert "pass@1 0.375 -> 0.625: +25.0 points, paired 95% CI [-19.7, +69.7] over 4 tasks" in out
+
+
 def test_demo_seed_is_idempotent(owner, state_dir):
     from webapp.experiments.demo import demo_seed
 
