@@ -48,6 +48,27 @@ def evaluate(checkpoint: str, args: argparse.Namespace, disable_tools: tuple[str
     return run_benchmark(config=config)
 
 
+def load_baseline(args: argparse.Namespace) -> dict:
+    """A stored evaluation of the starting checkpoint, refused unless it used this run's settings."""
+    summary = json.loads(Path(args.baseline).read_text())
+    expected = {
+        "suite": f"toy-heldout-{args.heldout}",
+        "policy": f"checkpoint:{args.init_checkpoint}",
+        "attempts": args.attempts,
+        "max_turns": args.max_turns,
+        "max_tokens_per_turn": args.max_tokens_per_turn,
+        "temperature": args.temperature,
+        "disable_tools": [],
+    }
+    stored = {key: summary["config"].get(key) for key in expected}
+    if stored != expected:
+        raise SystemExit(
+            f"--baseline {args.baseline} was evaluated with {stored}, this run needs {expected}; evaluate "
+            "the starting checkpoint with these settings (--evaluate-only ... --output) or leave --baseline out"
+        )
+    return summary
+
+
 def unpaired_difference_interval(before: dict, after: dict) -> tuple[float, float, float]:
     """Difference of pass@1 and the 95 % interval of two independent binomial samples (tasks are the
     unit). Wider than the paired one; kept so that runs compare with those recorded before stop 20."""
@@ -90,6 +111,9 @@ def main() -> None:
                         help="with --evaluate-only: comma-separated tools refused when called")
     parser.add_argument("--output", default=None, metavar="JSON",
                         help="with --evaluate-only: also write the summary with its per-task rows here")
+    parser.add_argument("--baseline", default=None, metavar="JSON",
+                        help="an --evaluate-only --output file of --init-checkpoint with this run's settings, "
+                             "used as the before figure instead of evaluating again (evaluation is seeded)")
     parser.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE_JSON", "AFTER_JSON"),
                         help="paired pass@1 difference of two --output files (same suite and settings)")
     args = parser.parse_args()
@@ -121,7 +145,7 @@ def main() -> None:
         return
 
     started = time.monotonic()
-    before = evaluate(args.init_checkpoint, args)
+    before = load_baseline(args) if args.baseline else evaluate(args.init_checkpoint, args)
     stop = threading.Event()
     timer = threading.Timer(args.minutes * 60, stop.set)
     timer.start()

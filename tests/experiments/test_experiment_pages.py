@@ -279,7 +279,7 @@ def test_paired_difference_interval():
         paired_pass_at_1_difference(rows([1]), rows([1]))
 
 
-def test_bench_learning_compare_prints_the_paired_difference(tmp_path):
+def test_bench_learning_compare_and_baseline(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
@@ -298,6 +298,18 @@ def test_bench_learning_compare_prints_the_paired_difference(tmp_path):
     ).stdout
     # d = (+0.5, 0, -0.25, +0.75): +25 points, half-width 1.96 * 0.4564 / 2 = 44.7 points.
     assert "pass@1 0.375 -> 0.625: +25.0 points, paired 95% CI [-19.7, +69.7] over 4 tasks" in out
+
+    # A stored baseline made with other settings is refused, saying what differs, before any training.
+    stored = summary([1, 1]) | {"config": {"suite": "toy-heldout-2", "policy": "checkpoint:ckpt", "attempts": 4,
+                                          "max_turns": 5, "max_tokens_per_turn": 256, "temperature": 1.0,
+                                          "disable_tools": []}}
+    before.write_text(json.dumps(stored))
+    refused = subprocess.run(
+        [sys.executable, str(script), "--init-checkpoint", "ckpt", "--baseline", str(before), "--heldout", "2",
+         "--attempts", "4", "--max-turns", "5", "--temperature", "0.8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert refused.returncode != 0 and "'temperature': 1.0" in refused.stderr and "'temperature': 0.8" in refused.stderr
 
 
 def test_demo_seed_is_idempotent(owner, state_dir):
