@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -155,9 +156,8 @@ def paired_pass_at_1_difference(
     n = len(differences)
     if n < 2:
         raise BenchConfigError(f"a paired interval needs at least 2 tasks scored in both runs, got {n}")
-    mean = sum(differences) / n
-    variance = sum((d - mean) ** 2 for d in differences) / (n - 1)
-    half = z * math.sqrt(variance / n)
+    mean = statistics.fmean(differences)
+    half = z * statistics.stdev(differences) / math.sqrt(n)
     return mean, mean - half, mean + half, n
 
 
