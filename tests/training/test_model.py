@@ -275,3 +275,21 @@ def test_logits_positions_select_one_position_per_row():
     picked = model(input_ids, logits_positions=positions).logits
     assert picked.shape == (3, 1, model.config.vocab_size)
     torch.testing.assert_close(picked[:, 0], full[torch.arange(3), positions], rtol=1e-5, atol=1e-5)
+
+
+def test_logits_mask_computes_logits_only_at_the_masked_positions():
+    model = _tiny_model()
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 9))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[0, 2:5] = True
+    mask[1, 7] = True  # row 2 has no masked position at all
+    full = model(input_ids).logits
+    picked = model(input_ids, logits_mask=mask, compute_router_losses=False).logits
+    assert picked.shape == (1, 4, model.config.vocab_size)
+    torch.testing.assert_close(picked[0], full[mask], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bool tensor shaped like input_ids"):
+        model(input_ids, logits_mask=mask[:, :5], compute_router_losses=False)
+    with pytest.raises(ValueError, match="not both"):
+        model(input_ids, logits_mask=mask, logits_positions=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="compute_router_losses=False"):
+        model(input_ids, logits_mask=mask)

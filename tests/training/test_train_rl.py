@@ -243,3 +243,40 @@ def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpo
     assert torch.equal(merged_batches[0].routed_experts[0], second_routing.long())
     assert torch.equal(merged_batches[0].behaviour_logprobs[0, 39:45], torch.full((6,), -1.0))
     torch.testing.assert_close(merged, separate, rtol=1e-4, atol=1e-6)
+
+
+def test_segment_logprobs_at_sampled_tokens_match_the_full_logits_forward(checkpoint):
+    # segment_logprobs projects only the loss positions to the vocabulary; values and gradients must be
+    # those of the plain forward over every position.
+    from training.train.grpo import token_logprobs
+    from training.train.rollouts import RolloutRecord, Segment
+
+    model, _, _ = load_checkpoint(checkpoint)
+    generator = torch.Generator().manual_seed(7)
+    segments = []
+    for prompt_length, completion_length in ((50, 7), (33, 4)):
+        prompt = torch.randint(8, 2000, (prompt_length,), generator=generator).tolist()
+        completion = torch.randint(8, 2000, (completion_length,), generator=generator).tolist()
+        routing = torch.randint(0, model.config.n_experts,
+                                (prompt_length + completion_length - 1, model.config.n_layers, model.config.top_k),
+                                generator=generator)
+        segments.append(Segment(prompt, completion, [-1.0] * completion_length, routing))
+    record = RolloutRecord(task_id="t", group=0, valid=True, reward=1.0, passed=True, segments=segments)
+    (batch,) = segments_to_batches(records=[record], advantages=torch.tensor([1.0]), micro_batch_size=2, pad_id=0,
+                                   with_routing=True)
+    assert batch.input_ids.shape[0] == 2 and batch.loss_mask.sum() == 11
+
+    def loss_and_gradient(logprobs):
+        model.zero_grad()
+        loss = -(logprobs * batch.loss_mask).sum()
+        loss.backward()
+        return logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    sampled, sampled_gradient = loss_and_gradient(
+        segment_logprobs(model, batch, temperature=0.8, routing_replay=True))
+    full_logits = model(batch.input_ids, routing_override=batch.routed_experts).logits
+    full, full_gradient = loss_and_gradient(token_logprobs(full_logits / 0.8, batch.targets))
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(sampled[mask], full[mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(sampled[~mask] == 0)
+    torch.testing.assert_close(sampled_gradient, full_gradient, rtol=1e-4, atol=1e-6)

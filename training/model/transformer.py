@@ -89,13 +89,25 @@ class Attention(nn.Module):
         *,
         kv_cache: KVCache | None,
         cache_batch: CacheBatch | None,
+        query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """query_positions: int [B, N]; when given, only these positions query (causally, over every key of
+        their row) and the result is [B, N, d_model]; without it every position does."""
         batch, length, _ = x.shape
-        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k = apply_rotary(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
+        if query_positions is not None:
+            rows = torch.arange(batch, device=x.device)[:, None]
+            queries = query_positions.shape[1]
+            q = self.wq(x[rows, query_positions]).view(batch, queries, self.n_heads, self.head_dim).transpose(1, 2)
+            q = apply_rotary(q, cos[:, 0][rows, query_positions].unsqueeze(1), sin[:, 0][rows, query_positions].unsqueeze(1))
+            visible = torch.arange(length, device=x.device) <= query_positions[:, None, :, None]
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+            return self.wo(attended.transpose(1, 2).reshape(batch, queries, self.n_heads * self.head_dim))
+        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
         if kv_cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
@@ -126,8 +138,19 @@ class TransformerBlock(nn.Module):
         cache_batch: CacheBatch | None,
         routing_override: torch.Tensor | None,
         compute_router_losses: bool,
+        query_positions: torch.Tensor | None = None,
     ):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache=kv_cache, cache_batch=cache_batch)
+        """query_positions: int [B, N]; run the block's output only at these positions ([B, N, d_model])."""
+        attended = self.attention(
+            self.attention_norm(x), cos, sin, kv_cache=kv_cache, cache_batch=cache_batch,
+            query_positions=query_positions,
+        )
+        if query_positions is not None:
+            rows = torch.arange(x.shape[0], device=x.device)[:, None]
+            x = x[rows, query_positions]
+            if routing_override is not None:
+                routing_override = routing_override[rows, query_positions.to(routing_override.device)]
+        x = x + attended
         normed = self.ffn_norm(x)
         if isinstance(self.feed_forward, DenseFeedForward):
             return x + self.feed_forward(normed), None
@@ -182,6 +205,7 @@ class MoETransformer(nn.Module):
         cache_slots: torch.Tensor | None = None,
         compute_router_losses: bool = True,
         logits_positions: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
     ) -> TransformerOutput:
         """Run the model on input_ids [B, T].
 
@@ -195,10 +219,29 @@ class MoETransformer(nn.Module):
         logits_positions: int [B]; when given, logits are computed only at these positions (one per row,
             shape [B, 1, vocab]); generation needs just the last prompt position, which saves the output
             projection over the whole prompt.
+        logits_mask: bool [B, T]; when given, logits are computed only where it is True and returned
+            flattened to [1, N, vocab] in row-major order (N = its number of True entries), and the last
+            block runs only at those positions (earlier blocks run everywhere, since every position is a
+            key of the next block). A policy-gradient loss needs outputs only at the sampled tokens, a
+            tenth of a rollout's row; the rest would be wasted work. Needs compute_router_losses=False and
+            return_routing=False (both would cover only part of the last block), and no kv_cache.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}.")
         batch, length = input_ids.shape
+        if logits_mask is not None:
+            if logits_positions is not None:
+                raise ValueError("Pass logits_positions or logits_mask, not both.")
+            if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                    f"{logits_mask.dtype} {tuple(logits_mask.shape)}."
+                )
+            if compute_router_losses or return_routing or kv_cache is not None:
+                raise ValueError(
+                    "logits_mask runs the last block only at the masked positions: pass "
+                    "compute_router_losses=False and return_routing=False, and no kv_cache."
+                )
         config = self.config
         cache_batch = None
         if kv_cache is not None:
@@ -221,10 +264,21 @@ class MoETransformer(nn.Module):
             if config.precision != "fp32"
             else contextlib.nullcontext()
         )
+        last_block_positions = last_block_valid = None
+        if logits_mask is not None:
+            mask = logits_mask.to(input_ids.device)
+            counts = mask.sum(dim=1)
+            queries = max(int(counts.max()), 1)
+            # Each row's masked positions first, in order (a stable sort); shorter rows are padded with
+            # other positions of the row, whose outputs are dropped.
+            order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
+            last_block_positions = order[:, :queries]
+            last_block_valid = torch.arange(queries, device=mask.device) < counts[:, None]
         routers = []
         with autocast:
             hidden = self.embed(input_ids)
             for index, block in enumerate(self.layers):
+                last = index == len(self.layers) - 1
                 hidden, router = block(
                     hidden,
                     cos,
@@ -233,12 +287,15 @@ class MoETransformer(nn.Module):
                     cache_batch=cache_batch,
                     routing_override=None if overrides is None else overrides[index],
                     compute_router_losses=compute_router_losses,
+                    query_positions=last_block_positions if last else None,
                 )
                 if router is not None:
                     routers.append(router)
             if logits_positions is not None:
                 rows = torch.arange(batch, device=hidden.device)
                 hidden = hidden[rows, logits_positions.to(hidden.device)].unsqueeze(1)
+            elif logits_mask is not None:
+                hidden = hidden[last_block_valid].unsqueeze(0)
             hidden = self.norm(hidden)
         logits = self.output(hidden.to(self.output.weight.dtype)).float()
         if kv_cache is not None:

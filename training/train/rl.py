@@ -284,9 +284,20 @@ def _segment_rows(segments: list, *, merge: bool) -> list[_Row]:
 def segment_logprobs(
     model: MoETransformer, batch: TrainingSegments, *, temperature: float, routing_replay: bool
 ) -> torch.Tensor:
-    """Logprobs of the batch's targets under `model`, at the rollout temperature."""
-    output = model(batch.input_ids, routing_override=batch.routed_experts if routing_replay else None)
-    return token_logprobs(output.logits / temperature, batch.targets)
+    """Logprobs of the batch's targets under `model`, at the rollout temperature.
+
+    Only the loss positions (the sampled tokens) get logits; the rest of the [B, T] result is 0 and
+    carries no gradient. The loss reads nothing else, and a rollout's row is mostly prompt and tool output.
+    """
+    mask = batch.loss_mask.bool()
+    output = model(
+        batch.input_ids,
+        routing_override=batch.routed_experts if routing_replay else None,
+        compute_router_losses=False,
+        logits_mask=mask,
+    )
+    sampled = token_logprobs(output.logits / temperature, batch.targets[mask].unsqueeze(0)).squeeze(0)
+    return torch.zeros(mask.shape, dtype=sampled.dtype, device=sampled.device).masked_scatter(mask, sampled)
 
 
 def rl(
