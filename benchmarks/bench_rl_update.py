@@ -48,7 +48,7 @@ def rollout_row(*, length: int, completion_tokens: int, n_experts: int, n_layers
     )
 
 
-def full_forward_logprobs(model, batch: TrainingSegments, *, temperature: float) -> torch.Tensor:
+def full_forward_logprobs(model, batch: TrainingSegments, *, temperature: float, routing_replay: bool) -> torch.Tensor:
     logits = model(batch.input_ids, routing_override=batch.routed_experts).logits
     return token_logprobs(logits / temperature, batch.targets)
 
@@ -57,7 +57,7 @@ def update_pass(model, rows: list[TrainingSegments], logprobs_fn) -> tuple[float
     model.zero_grad(set_to_none=True)
     started = time.perf_counter()
     for row in rows:
-        logprobs = logprobs_fn(model, row, temperature=0.8)
+        logprobs = logprobs_fn(model, row, temperature=0.8, routing_replay=True)
         (-(logprobs * row.loss_mask).sum()).backward()
     seconds = time.perf_counter() - started
     gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
