@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--probe-size", type=int, default=0,
+                        help="run this many rollouts of a group first and abandon the group if they all "
+                             "earn the same reward (0 = run every group in full)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--inference-actors", type=int, default=1)
     parser.add_argument("--max-turns", type=int, default=4)
@@ -157,6 +160,7 @@ def main() -> None:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
+        probe_size=args.probe_size,
         rollout_workers=args.workers,
         inference_actors=args.inference_actors,
         max_turns=args.max_turns,
@@ -186,6 +190,8 @@ def main() -> None:
         for key in (
             "mean_reward",
             "pass_rate",
+            "sampled_pass_rate",
+            "abandoned_groups",
             "tool_calls_per_turn",
             "parallel_call_share",
             "staleness_mean",

@@ -429,3 +429,40 @@ def test_benchmark_with_a_disabled_tool_keeps_the_prompt_and_counts_calls(owner,
     assert calls and sum(calls.values()) > 0 and "read_file" in calls
     with pytest.raises(Exception, match="disable_tools names unknown tools"):
         call_command("bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, disable_tools="nope")
+
+
+def test_abandoned_groups_are_ingested_and_labelled_on_the_pages(client, owner, outsider, state_dir):
+    """A probed run logs the groups it abandoned beside the trained ones; the pages say which is which."""
+    run_dir = state_dir / "experiments" / "probed"
+    (run_dir / "checkpoints" / "step-00000001").mkdir(parents=True)
+    experiment = Experiment.objects.create(
+        owner=owner, name="probed", config={"group_size": 4, "probe_size": 2}, run_dir=str(run_dir)
+    )
+
+    def row(group: str, index: int, *, passed: bool, abandoned: bool, advantage: float) -> dict:
+        return {
+            "step": 1, "abandoned": abandoned, "rollout_id": f"{group}/s{index}", "group_id": group,
+            "task_id": f"toy-{group}", "sample_index": index, "valid": True, "reward": float(passed),
+            "passed": passed, "status": "succeeded" if passed else "failed", "advantage": advantage,
+            "completion_tokens": 10, "turns": 1, "policy_version": 0, "staleness": 1,
+            "tools_used": {}, "tool_calls": 0, "group_position": 0,
+        }
+
+    trained = [row("group-000001", i, passed=i % 2 == 0, abandoned=False, advantage=0.5 - (i % 2)) for i in range(4)]
+    abandoned = [row("group-000000", i, passed=False, abandoned=True, advantage=0.0) for i in range(2)]
+    (run_dir / "rollouts.jsonl").write_text("".join(json.dumps(item) + "\n" for item in trained + abandoned))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "abandoned_groups": 1, "pass_rate": 0.5}) + "\n")
+
+    assert services.experiment_ingest(experiment=experiment) == 1
+    stored = {r.rollout_id: r.abandoned for r in ExperimentRollout.objects.filter(experiment=experiment)}
+    assert stored == {**{f"group-000001/s{i}": False for i in range(4)}, **{f"group-000000/s{i}": True for i in range(2)}}
+
+    client.force_login(owner)
+    detail = client.get(reverse("experiments:experiment-detail", args=[experiment.pk])).content.decode()
+    assert detail.count("(abandoned after its probe)") == 1
+    abandoned_page = client.get(reverse("experiments:experiment-group", args=[experiment.pk, "group-000000"]))
+    assert "abandoned</strong> after its probe rollouts all earned the same reward" in abandoned_page.content.decode()
+    trained_page = client.get(reverse("experiments:experiment-group", args=[experiment.pk, "group-000001"]))
+    assert "trained at step 1" in trained_page.content.decode()
+    client.force_login(outsider)
+    assert client.get(reverse("experiments:experiment-group", args=[experiment.pk, "group-000000"])).status_code == 404

@@ -29,6 +29,11 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), negative_advantage_weight=2.0)
     with pytest.raises(AsyncRLConfigError, match=r"warmup_steps must be >= 0 \(0 starts at the full lr\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), warmup_steps=-1)
+    with pytest.raises(AsyncRLConfigError, match=r"probe_size must be 0 \(no probing\) or between 2 and group_size - 1 = 3"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=4, probe_size=4)
+    assert AsyncRLConfig(
+        run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=8, probe_size=4
+    ).scheduler_config.probe_size == 4
     with pytest.raises(AsyncRLConfigError, match="not a checkpoint directory"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(tmp_path / "missing"))
     with pytest.raises(AsyncRLConfigError, match="unknown AsyncRLConfig fields"):

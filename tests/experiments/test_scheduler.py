@@ -25,6 +25,7 @@ class Harness:
         self.lock = threading.Lock()
         self.batches = []
         self.seen_ids = []
+        self.execute_result = lambda request: {"reward": 1.0}
 
     def execute(self, request, version):
         with self.lock:
@@ -35,7 +36,7 @@ class Harness:
             time.sleep(self.durations(request))
             if request.rollout_id in self.fail_ids:
                 raise RuntimeError("sandbox host lost")
-            return {"reward": 1.0}
+            return self.execute_result(request)
         finally:
             with self.lock:
                 self.running -= 1
@@ -135,3 +136,45 @@ def test_config_errors_explain_the_fix():
         SchedulerConfig(max_staleness=-1)
     with pytest.raises(SchedulerConfigError, match="group_size must be >= 1"):
         SchedulerConfig(group_size=0)
+
+
+def test_probe_abandons_a_group_whose_first_rollouts_agree_and_finishes_one_whose_rollouts_disagree():
+    # g0's probe all fail (reward 0), g1's probe disagree, g2's probe all pass: only g1 is trained on,
+    # and g0 / g2 never run past their probe.
+    config = SchedulerConfig(max_in_flight=2, group_size=4, groups_per_step=1, max_staleness=0, probe_size=2)
+    rewards = {"g0": [0.0, 0.0], "g1": [1.0, 0.0, 0.0, 1.0], "g2": [1.0, 1.0]}
+    harness = Harness(config=config, durations=lambda request: 0.005)
+    harness.execute_result = lambda request: {
+        "reward": rewards.get(request.group_id, [0.0, 1.0, 0.0, 1.0])[request.sample_index]
+    }
+    abandoned = []
+    scheduler = harness.scheduler(reward_of=lambda result: result["reward"], on_group_abandoned=abandoned.append)
+    stats = scheduler.run(steps=1)
+    (group,) = harness.batches[0]
+    assert [sample.request.rollout_id for sample in group] == ["g1/s0", "g1/s1", "g1/s2", "g1/s3"]
+    assert [[sample.request.rollout_id for sample in group] for group in abandoned] == [["g0/s0", "g0/s1"]]
+    assert not any(rollout_id.startswith("g0/s2") or rollout_id.startswith("g0/s3") for rollout_id in harness.seen_ids)
+    assert stats.abandoned_groups == 1 and stats.abandoned_rollouts == 2 and stats.accepted == 4
+
+
+def test_probe_with_a_masked_rollout_finishes_the_group():
+    # A rollout without a reward (infrastructure failure, masked) is no evidence that the task is all-fail.
+    config = SchedulerConfig(max_in_flight=2, group_size=3, groups_per_step=1, max_staleness=0, probe_size=2)
+    harness = Harness(config=config, durations=lambda request: 0.005)
+    harness.execute_result = lambda request: {"reward": None if request.sample_index == 0 else 0.0}
+    abandoned = []
+    stats = harness.scheduler(reward_of=lambda result: result["reward"], on_group_abandoned=abandoned.append).run(
+        steps=1
+    )
+    assert not abandoned and stats.abandoned_groups == 0
+    assert [sample.request.rollout_id for sample in harness.batches[0][0]] == ["g0/s0", "g0/s1", "g0/s2"]
+
+
+def test_probe_config_errors_explain_the_fix():
+    with pytest.raises(SchedulerConfigError, match="probe_size must be 0 .* or between 2 and group_size - 1 = 3"):
+        SchedulerConfig(group_size=4, probe_size=4)
+    with pytest.raises(SchedulerConfigError, match="one rollout cannot disagree with itself"):
+        SchedulerConfig(group_size=4, probe_size=1)
+    harness = Harness(config=SchedulerConfig(group_size=4, probe_size=2), durations=lambda request: 0.0)
+    with pytest.raises(SchedulerConfigError, match="probe_size > 0 needs reward_of"):
+        harness.scheduler()

@@ -83,6 +83,9 @@ class AsyncRLConfig:
     """Complete groups consumed by one policy update."""
     max_staleness: int = 1
     """Largest policy-version lag between generating a sample and training on it (0 = synchronous)."""
+    probe_size: int = 0
+    """Rollouts of each group run first; when they all earn the same reward the group is abandoned
+    (logged, not trained on) instead of finishing it for a zero gradient. 0 runs every group in full."""
     rollout_workers: int = 4
     """Environment servers (Ray actors), each running one rollout at a time."""
     inference_actors: int = 1
@@ -163,6 +166,12 @@ class AsyncRLConfig:
                 "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
                 f"beat their group), got {self.negative_advantage_weight}"
             )
+        if self.probe_size < 0 or self.probe_size == 1 or self.probe_size >= self.group_size:
+            raise AsyncRLConfigError(
+                f"probe_size must be 0 (no probing) or between 2 and group_size - 1 = {self.group_size - 1}, "
+                f"got {self.probe_size}: one rollout cannot disagree with itself, and probing the whole "
+                "group is running it"
+            )
         if self.inference_actors > self.rollout_workers:
             raise AsyncRLConfigError(
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
@@ -181,6 +190,7 @@ class AsyncRLConfig:
             group_size=self.group_size,
             groups_per_step=self.groups_per_step,
             max_staleness=self.max_staleness,
+            probe_size=self.probe_size,
         )
 
     @classmethod
@@ -478,6 +488,10 @@ class _RunState:
     counted_groups: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.monotonic)
     trained_samples: int = 0
+    generated_samples: int = 0
+    abandoned_lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoned_groups: list = field(default_factory=list)
+    """Groups the scheduler abandoned after their probe, logged with the next update."""
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
@@ -636,6 +650,9 @@ def run_async_rl(
     def train(groups: list[list[RolloutSample]], version: int) -> int:
         update_started = time.monotonic()
         samples = [sample for group in groups for sample in group]
+        with state.abandoned_lock:
+            abandoned, state.abandoned_groups = state.abandoned_groups, []
+        abandoned_samples = [sample for group in abandoned for sample in group]
         records = []
         for group_position, group in enumerate(groups):
             for sample in group:
@@ -656,7 +673,7 @@ def run_async_rl(
             lr_schedule.step()
         update_seconds = time.monotonic() - update_started
         new_version = version + 1
-        state.counted_groups.update(group[0].request.group_id for group in groups)
+        state.counted_groups.update(group[0].request.group_id for group in [*groups, *abandoned])
 
         valid = [record for record in records if record.valid]
         results = [sample.result for sample in samples]
@@ -664,6 +681,8 @@ def run_async_rl(
         tool_turns = sum(result["stats"]["tool_turns"] for result in results)
         wall = time.monotonic() - state.started_at
         state.trained_samples += len(samples)
+        state.generated_samples += len(samples) + len(abandoned_samples)
+        sampled = valid + [sample.result["record"] for sample in abandoned_samples if sample.result["record"].valid]
         metrics = {
             "step": new_version,
             "rollouts": len(samples),
@@ -681,7 +700,13 @@ def run_async_rl(
             ),
             "staleness_mean": _mean([float(sample.staleness) for sample in samples]),
             "staleness_max": max(sample.staleness for sample in samples),
-            "rollouts_per_s": state.trained_samples / wall if wall > 0 else 0.0,
+            # Every finished rollout, abandoned probes included: what the fleet produced.
+            "rollouts_per_s": state.generated_samples / wall if wall > 0 else 0.0,
+            "abandoned_groups": len(abandoned),
+            "abandoned_rollouts": len(abandoned_samples),
+            # The policy's pass rate on what it sampled; pass_rate above covers the trained groups only,
+            # which probing tilts towards tasks that are neither always solved nor never.
+            "sampled_pass_rate": _mean([float(record.passed) for record in sampled]),
             "worker_utilization": min(1.0, scheduler.stats.busy_seconds / (config.rollout_workers * wall)),
             "dropped_stale_total": scheduler.stats.dropped_stale,
             "failed_rollouts_total": scheduler.stats.failed,
@@ -698,12 +723,14 @@ def run_async_rl(
             },
         }
         rollout_rows = []
-        for group_position, group in enumerate(groups):
+        labelled = [(group, False) for group in groups] + [(group, True) for group in abandoned]
+        for group_position, (group, was_abandoned) in enumerate(labelled):
             for sample in group:
                 record = sample.result["record"]
                 rollout_rows.append(
                     {
                         "step": new_version,
+                        "abandoned": was_abandoned,
                         "rollout_id": sample.request.rollout_id,
                         "group_id": sample.request.group_id,
                         "task_id": record.task_id,
@@ -714,7 +741,7 @@ def run_async_rl(
                         "status": record.status,
                         # records follow the groups in this order; list.index would compare records
                         # field by field and fail on their tensors once two agree up to those.
-                        "advantage": float(advantages[len(rollout_rows)]),
+                        "advantage": 0.0 if was_abandoned else float(advantages[len(rollout_rows)]),
                         "completion_tokens": record.completion_tokens,
                         "turns": record.turns,
                         "policy_version": sample.policy_version,
@@ -727,7 +754,7 @@ def run_async_rl(
         # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,
         # which the resumed run truncates and then redoes, so no step or rollout is logged twice.
         (run_dir / TRACES_DIR).mkdir(exist_ok=True)
-        for sample, row in zip(samples, rollout_rows, strict=True):
+        for sample, row in zip([*samples, *abandoned_samples], rollout_rows, strict=True):
             _write_json(trace_path(run_dir, row["rollout_id"]), sample.result["trace"])
         for row in rollout_rows:
             _append_jsonl(run_dir / ROLLOUTS_FILE, row)
@@ -750,11 +777,15 @@ def run_async_rl(
         metrics["stage_seconds"].update(checkpoint=checkpoint_seconds, weight_push=weight_push_seconds)
         history.append(metrics)
         if on_rollout is not None:
-            for sample, row in zip(samples, rollout_rows, strict=True):
+            for sample, row in zip([*samples, *abandoned_samples], rollout_rows, strict=True):
                 on_rollout({**row, "trace": sample.result["trace"]})
         if on_step is not None:
             on_step(metrics)
         return new_version
+
+    def abandon_group(group: list[RolloutSample]) -> None:
+        with state.abandoned_lock:
+            state.abandoned_groups.append(group)
 
     learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
     scheduler = RolloutScheduler(
@@ -764,6 +795,8 @@ def run_async_rl(
         groups=group_stream(),
         start_version=state.version,
         is_counted=lambda group_id: group_id in state.counted_groups,
+        reward_of=lambda result: result["record"].reward,
+        on_group_abandoned=abandon_group,
         stop=stop,
     )
     _write_status(

@@ -5,11 +5,18 @@ benchmark, Ray actor calls via `ObjectRef.future()` in the driver), the first on
 handled at once, and a freed worker gets new work immediately, so one slow rollout never holds the
 others back. Policy updates are futures too: generation keeps running while the learner trains.
 
-Staleness is bounded twice: admission control never lets more than
-`(version + max_staleness + 1) * rollouts_per_step` rollouts be dispatched, and a sample whose
+Staleness is bounded twice: admission control never lets groups of more than
+`(version + max_staleness + 1) * rollouts_per_step` rollouts in total be started, and a sample whose
 dispatch version lags the current one by more than `max_staleness` when it finishes is dropped
 (recorded, not trained on) and its slot in the group is dispatched again. With `max_staleness=0`
 the same loop degenerates into classic synchronous batches, which is what the benchmark compares.
+
+With `probe_size` set, a group is dispatched in two parts: its first `probe_size` rollouts, and the rest
+only once those disagree. A group whose probe rollouts all earned the same reward is abandoned (handed to
+`on_group_abandoned`, never trained on): its task is most likely all-fail or all-pass for this policy,
+and a GRPO group without reward variance has zero advantage everywhere, so finishing it would spend
+generation on a zero gradient. This is DAPO's dynamic sampling (Yu et al., 2025) with an early exit: DAPO
+finishes every group and then filters.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class SchedulerConfig:
     max_staleness: int = 1
     """Largest allowed lag (policy versions) between a sample's generation and its training step;
     0 means fully synchronous: generate a batch, train, repeat."""
+    probe_size: int = 0
+    """Rollouts of a group run first; the group is abandoned when they all earn the same reward
+    (0 disables probing: every group runs to completion and is trained on)."""
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "group_size", "groups_per_step"):
@@ -45,6 +55,12 @@ class SchedulerConfig:
                 raise SchedulerConfigError(f"SchedulerConfig.{name} must be >= 1")
         if self.max_staleness < 0:
             raise SchedulerConfigError("SchedulerConfig.max_staleness must be >= 0 (0 = synchronous)")
+        if self.probe_size < 0 or self.probe_size == 1 or self.probe_size >= self.group_size:
+            raise SchedulerConfigError(
+                f"SchedulerConfig.probe_size must be 0 (no probing) or between 2 and group_size - 1 = "
+                f"{self.group_size - 1}, got {self.probe_size}: one rollout cannot disagree with itself, "
+                "and a probe of the whole group is the group"
+            )
 
     @property
     def rollouts_per_step(self) -> int:
@@ -93,6 +109,9 @@ class SchedulerStats:
     accepted: int = 0
     dropped_stale: int = 0
     failed: int = 0
+    abandoned_groups: int = 0
+    """Groups whose probe rollouts all earned the same reward (probe_size > 0)."""
+    abandoned_rollouts: int = 0
     updates: int = 0
     busy_seconds: float = 0.0
     """Sum over rollouts of their dispatch-to-finish time: worker time spent on rollouts."""
@@ -124,14 +143,23 @@ class RolloutScheduler:
         start_version: int = 0,
         is_counted: Callable[[str], bool] = lambda group_id: False,
         on_rollout: Callable[[RolloutSample], None] | None = None,
+        reward_of: Callable[[object], float | None] | None = None,
+        on_group_abandoned: Callable[[list[RolloutSample]], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
+        if config.probe_size and reward_of is None:
+            raise SchedulerConfigError(
+                "probe_size > 0 needs reward_of (how to read a rollout result's reward); pass it or set "
+                "probe_size=0"
+            )
         self.config = config
         self._submit_rollout = submit_rollout
         self._submit_update = submit_update
         self._groups = groups
         self._is_counted = is_counted
         self._on_rollout = on_rollout
+        self._reward_of = reward_of
+        self._on_group_abandoned = on_group_abandoned
         self._stop = stop or threading.Event()
         self.version = start_version
         self._base_version = start_version
@@ -140,6 +168,10 @@ class RolloutScheduler:
         self._partial: dict[str, list[RolloutSample]] = {}
         self._ready: list[list[RolloutSample]] = []
         self._retries: dict[str, int] = {}
+        # Groups still in their probe: the requests held back until the probe disagrees.
+        self._held: dict[str, list[RolloutRequest]] = {}
+        self._committed = 0
+        """Rollouts of the groups admitted so far (abandoned and skipped groups given back)."""
 
     def _next_request(self) -> RolloutRequest | None:
         if not self._pending:
@@ -148,7 +180,8 @@ class RolloutScheduler:
             except StopIteration:
                 return None
             self._partial[group_id] = []
-            self._pending.extend(
+            self._committed += self.config.group_size
+            requests = [
                 RolloutRequest(
                     rollout_id=f"{group_id}/s{index}",
                     group_id=group_id,
@@ -156,7 +189,12 @@ class RolloutScheduler:
                     sample_index=index,
                 )
                 for index in range(self.config.group_size)
-            )
+            ]
+            probe = self.config.probe_size
+            if probe:
+                self._held[group_id] = requests[probe:]
+                requests = requests[:probe]
+            self._pending.extend(requests)
         return self._pending.pop(0)
 
     def _redispatch(self, request: RolloutRequest) -> None:
@@ -174,10 +212,14 @@ class RolloutScheduler:
         )
 
     def _admission_open(self) -> bool:
+        # Admission is per group: a group's whole size is committed when it starts, so the rollouts a
+        # probe holds back (and re-dispatches of dropped or failed ones) always fit the budget.
+        if self._pending:
+            return True
         budget = (
             self.version - self._base_version + self.config.max_staleness + 1
         ) * self.config.rollouts_per_step
-        return self.stats.dispatched - self.stats.dropped_stale - self.stats.failed < budget
+        return self._committed + self.config.group_size <= budget
 
     def run(self, *, steps: int) -> SchedulerStats:
         """Run until `steps` policy updates have finished (or the groups run out / stop is set)."""
@@ -196,6 +238,8 @@ class RolloutScheduler:
                 if self._is_counted(request.group_id):
                     # Already trained on before a restart: never count it twice.
                     self._partial.pop(request.group_id, None)
+                    self._held.pop(request.group_id, None)
+                    self._committed -= self.config.group_size
                     self._pending = [item for item in self._pending if item.group_id != request.group_id]
                     continue
                 sample = RolloutSample(
@@ -258,8 +302,25 @@ class RolloutScheduler:
         self._redispatch(sample.request)
 
     def _add_to_group(self, sample: RolloutSample) -> None:
-        group = self._partial.setdefault(sample.request.group_id, [])
+        group_id = sample.request.group_id
+        group = self._partial.setdefault(group_id, [])
         group.append(sample)
+        if group_id in self._held and len(group) == self.config.probe_size:
+            rewards = [self._reward_of(item.result) for item in group]
+            held = self._held.pop(group_id)
+            # A masked rollout (reward None) says nothing about the task: finish the group then.
+            if None not in rewards and max(rewards) - min(rewards) <= 1e-9:
+                self._partial.pop(group_id)
+                self._committed -= self.config.group_size
+                self.stats.abandoned_groups += 1
+                self.stats.abandoned_rollouts += len(group)
+                if self._on_group_abandoned is not None:
+                    self._on_group_abandoned(sorted(group, key=lambda item: item.request.sample_index))
+                return
+            # The group is worth finishing: its other rollouts go first, so it completes (and reaches
+            # the learner) before its probe grows stale.
+            self._pending[:0] = held
+            return
         if len(group) == self.config.group_size:
             self._partial.pop(sample.request.group_id)
             self._ready.append(sorted(group, key=lambda item: item.request.sample_index))

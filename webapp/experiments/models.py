@@ -62,7 +62,7 @@ class ExperimentStep(models.Model):
 
 
 class ExperimentRollout(models.Model):
-    """One trained rollout: its group, reward, advantage, and a link to its stored trace."""
+    """One rollout of a trained or abandoned group: its group, reward, advantage, and its stored trace."""
 
     experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="rollouts")
     step = models.PositiveIntegerField(db_index=True)
@@ -80,6 +80,9 @@ class ExperimentRollout(models.Model):
     tools_used = models.JSONField(default=dict)
     policy_version = models.PositiveIntegerField(default=0)
     staleness = models.PositiveIntegerField(default=0)
+    abandoned = models.BooleanField(
+        default=False, help_text="Part of a group abandoned after its probe rollouts agreed: not trained on."
+    )
     status = models.TextField(blank=True)
     trace = models.ForeignKey(
         "agents.AgentTask", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"

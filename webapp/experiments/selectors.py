@@ -19,6 +19,8 @@ SERVER_CONTROLLED_FIELDS = ("run_dir", "ray_address", "sandbox_backend")
 DASHBOARD_SERIES = (
     ("mean_reward", "Reward"),
     ("pass_rate", "Pass rate"),
+    ("sampled_pass_rate", "Pass rate of all sampled rollouts (abandoned probes included)"),
+    ("abandoned_groups", "Groups abandoned after their probe"),
     ("mean_completion_tokens", "Episode length (tokens)"),
     ("tool_calls_per_turn", "Tool calls per turn"),
     ("parallel_call_share", "Share of turns with parallel calls"),
@@ -62,7 +64,8 @@ def experiment_dashboard_series(*, experiment: Experiment) -> dict:
 
 
 def experiment_groups(*, experiment: Experiment, limit: int = 50) -> list[dict]:
-    """Newest trained groups: task, step, mean reward and how many of the group passed."""
+    """Newest groups: task, step, mean reward, how many of the group passed, and whether the group was
+    abandoned after its probe (logged, not trained on)."""
     groups: dict[str, dict] = {}
     for rollout in ExperimentRollout.objects.filter(experiment=experiment).order_by("-step", "group_id"):
         entry = groups.setdefault(
@@ -73,6 +76,7 @@ def experiment_groups(*, experiment: Experiment, limit: int = 50) -> list[dict]:
                 "step": rollout.step,
                 "rewards": [],
                 "passed": 0,
+                "abandoned": rollout.abandoned,
             },
         )
         if rollout.reward is not None:

@@ -264,6 +264,7 @@ def experiment_ingest(*, experiment: Experiment) -> int:
             tools_used=row["tools_used"],
             policy_version=row["policy_version"],
             staleness=row["staleness"],
+            abandoned=row.get("abandoned", False),
             status=row["status"][:2000],
             trace=_rollout_trace_create(experiment=experiment, row=row, trace=trace),
         )

@@ -142,6 +142,7 @@ def experiment_group_view(request, pk: int, group_id: str):
             "rollouts": rollouts,
             "step": rollouts[0].step,
             "task_id": rollouts[0].task_id,
+            "abandoned": rollouts[0].abandoned,
         },
     )
 
