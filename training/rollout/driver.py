@@ -682,7 +682,14 @@ def run_async_rl(
         wall = time.monotonic() - state.started_at
         state.trained_samples += len(samples)
         state.generated_samples += len(samples) + len(abandoned_samples)
-        sampled = valid + [sample.result["record"] for sample in abandoned_samples if sample.result["record"].valid]
+        # The first probe_size rollouts of every group, trained or abandoned: a sample of the policy on
+        # fresh tasks that probing does not tilt (finished groups are the ones whose probe disagreed).
+        probe_size = config.probe_size or config.group_size
+        sampled = [
+            sample.result["record"]
+            for sample in [*samples, *abandoned_samples]
+            if sample.request.sample_index < probe_size and sample.result["record"].valid
+        ]
         metrics = {
             "step": new_version,
             "rollouts": len(samples),
@@ -704,8 +711,8 @@ def run_async_rl(
             "rollouts_per_s": state.generated_samples / wall if wall > 0 else 0.0,
             "abandoned_groups": len(abandoned),
             "abandoned_rollouts": len(abandoned_samples),
-            # The policy's pass rate on what it sampled; pass_rate above covers the trained groups only,
-            # which probing tilts towards tasks that are neither always solved nor never.
+            # pass_rate covers the trained groups only, which probing tilts towards tasks that are neither
+            # always solved nor never; this one is the policy's pass rate on the tasks it was given.
             "sampled_pass_rate": _mean([float(record.passed) for record in sampled]),
             "worker_utilization": min(1.0, scheduler.stats.busy_seconds / (config.rollout_workers * wall)),
             "dropped_stale_total": scheduler.stats.dropped_stale,

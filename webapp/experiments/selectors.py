@@ -19,7 +19,7 @@ SERVER_CONTROLLED_FIELDS = ("run_dir", "ray_address", "sandbox_backend")
 DASHBOARD_SERIES = (
     ("mean_reward", "Reward"),
     ("pass_rate", "Pass rate"),
-    ("sampled_pass_rate", "Pass rate of all sampled rollouts (abandoned probes included)"),
+    ("sampled_pass_rate", "Pass rate of every group's first rollouts (abandoned groups included)"),
     ("abandoned_groups", "Groups abandoned after their probe"),
     ("mean_completion_tokens", "Episode length (tokens)"),
     ("tool_calls_per_turn", "Tool calls per turn"),
