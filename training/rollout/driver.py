@@ -36,7 +36,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.rollout.scheduler import RolloutRequest, RolloutSample, RolloutScheduler, SchedulerConfig
+from training.rollout.scheduler import (
+    RolloutRequest,
+    RolloutSample,
+    RolloutScheduler,
+    SchedulerConfig,
+    SchedulerConfigError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +172,11 @@ class AsyncRLConfig:
                 "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
                 f"beat their group), got {self.negative_advantage_weight}"
             )
-        if self.probe_size < 0 or self.probe_size == 1 or self.probe_size >= self.group_size:
-            raise AsyncRLConfigError(
-                f"probe_size must be 0 (no probing) or between 2 and group_size - 1 = {self.group_size - 1}, "
-                f"got {self.probe_size}: one rollout cannot disagree with itself, and probing the whole "
-                "group is running it"
-            )
+        try:
+            self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
+        except SchedulerConfigError as error:
+            # Without the class prefix the message starts with the field, which the launch form keys on.
+            raise AsyncRLConfigError(str(error).removeprefix("SchedulerConfig.")) from error
         if self.inference_actors > self.rollout_workers:
             raise AsyncRLConfigError(
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
@@ -487,7 +492,6 @@ class _RunState:
     version: int = 0
     counted_groups: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.monotonic)
-    trained_samples: int = 0
     generated_samples: int = 0
     abandoned_lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned_groups: list = field(default_factory=list)
@@ -680,7 +684,6 @@ def run_async_rl(
         tool_calls = sum(result["stats"]["tool_calls"] for result in results)
         tool_turns = sum(result["stats"]["tool_turns"] for result in results)
         wall = time.monotonic() - state.started_at
-        state.trained_samples += len(samples)
         state.generated_samples += len(samples) + len(abandoned_samples)
         # The first probe_size rollouts of every group, trained or abandoned: a sample of the policy on
         # fresh tasks that probing does not tilt (finished groups are the ones whose probe disagreed).
