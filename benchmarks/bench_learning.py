@@ -106,6 +106,8 @@ def main() -> None:
                         help="learning-rate multiplier for normalisation gains (1-D parameters)")
     parser.add_argument("--negative-advantage-weight", type=float, default=1.0,
                         help="1 = GRPO; 0 = reinforce only rollouts that beat their group (RAFT-style)")
+    parser.add_argument("--entropy-coef", type=float, default=0.0,
+                        help="weight of the policy's token entropy in the update: > 0 bonus, < 0 sharpens")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -169,6 +171,7 @@ def main() -> None:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         negative_advantage_weight=args.negative_advantage_weight,
+        entropy_coef=args.entropy_coef,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,

@@ -252,3 +252,39 @@ def test_negative_advantage_weight_keeps_only_rollouts_that_beat_their_group():
 def test_negative_advantage_weight_outside_unit_interval_is_refused(weight):
     with pytest.raises(GRPOConfigError, match="negative_advantage_weight"):
         GRPOConfig(negative_advantage_weight=weight)
+
+
+def test_entropy_term_is_off_by_default_and_signed_by_its_coefficient():
+    # Two positions with equal advantage-free surrogates (advantage 0): only the entropy term moves them.
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.5, 0.4, 0.3]]], requires_grad=True)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    entropies = -(log_probs.exp() * log_probs).sum(-1)
+    logprobs = log_probs[..., 0]
+    kwargs = dict(
+        behaviour_logprobs=logprobs.detach(), advantages=torch.tensor([0.0]), loss_mask=torch.ones(1, 2),
+    )
+    plain = policy_loss(logprobs=logprobs, config=GRPOConfig(), entropies=entropies, **kwargs)
+    assert plain.loss.item() == 0.0
+    assert plain.entropy == pytest.approx(entropies.mean().item())
+
+    sharpen = policy_loss(logprobs=logprobs, config=GRPOConfig(entropy_coef=-0.01), entropies=entropies, **kwargs)
+    assert sharpen.loss.item() == pytest.approx(0.01 * entropies.mean().item())
+    sharpen.loss.backward()
+    # Descending the loss lowers the entropy: a small step against the gradient makes the policy sharper.
+    with torch.no_grad():
+        stepped = logits - 10.0 * logits.grad
+        stepped_log_probs = torch.log_softmax(stepped, dim=-1)
+        stepped_entropy = -(stepped_log_probs.exp() * stepped_log_probs).sum(-1)
+    assert torch.all(stepped_entropy < entropies.detach())
+
+    bonus = policy_loss(logprobs=logprobs, config=GRPOConfig(entropy_coef=0.01), entropies=entropies, **kwargs)
+    assert bonus.loss.item() == pytest.approx(-0.01 * entropies.mean().item())
+
+
+def test_entropy_term_needs_entropies_and_a_bounded_coefficient():
+    logprobs = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="no entropies were given"):
+        policy_loss(logprobs=logprobs, behaviour_logprobs=logprobs, advantages=torch.tensor([1.0]),
+                    loss_mask=torch.ones(1, 2), config=GRPOConfig(entropy_coef=-0.01))
+    with pytest.raises(GRPOConfigError, match="entropy_coef=1.5 must lie in"):
+        GRPOConfig(entropy_coef=1.5)

@@ -21,6 +21,7 @@ from training.train.rl import (
     rl,
     rollout_advantages,
     segment_logprobs,
+    segment_logprobs_and_entropy,
     segments_to_batches,
 )
 from training.train.rollouts import rollout_run, rollouts_collect
@@ -280,3 +281,28 @@ def test_segment_logprobs_at_sampled_tokens_match_the_full_logits_forward(checkp
     torch.testing.assert_close(sampled[mask], full[mask], rtol=1e-5, atol=1e-5)
     assert torch.all(sampled[~mask] == 0)
     torch.testing.assert_close(sampled_gradient, full_gradient, rtol=1e-4, atol=1e-6)
+
+
+def test_segment_entropy_matches_the_full_softmax_at_the_sampled_tokens(checkpoint):
+    from training.train.rollouts import RolloutRecord, Segment
+
+    model, _, _ = load_checkpoint(checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(8, 2000, (40,), generator=generator).tolist()
+    completion = torch.randint(8, 2000, (6,), generator=generator).tolist()
+    routing = torch.randint(0, model.config.n_experts, (45, model.config.n_layers, model.config.top_k),
+                            generator=generator)
+    record = RolloutRecord(task_id="t", group=0, valid=True, reward=1.0, passed=True,
+                           segments=[Segment(prompt, completion, [-1.0] * 6, routing)])
+    (batch,) = segments_to_batches(records=[record], advantages=torch.tensor([1.0]), micro_batch_size=1, pad_id=0,
+                                   with_routing=True)
+    logprobs, entropies = segment_logprobs_and_entropy(model, batch, temperature=0.8, routing_replay=True)
+    with torch.no_grad():
+        full = torch.softmax(model(batch.input_ids, routing_override=batch.routed_experts).logits / 0.8, dim=-1)
+    expected = -(full * full.log()).sum(-1)
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(entropies[mask], expected[mask], rtol=1e-4, atol=1e-5)
+    assert torch.all(entropies[~mask] == 0) and torch.all(entropies[mask] > 0)
+    torch.testing.assert_close(
+        logprobs, segment_logprobs(model, batch, temperature=0.8, routing_replay=True), rtol=0, atol=0
+    )

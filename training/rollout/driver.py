@@ -120,6 +120,9 @@ class AsyncRLConfig:
     negative_advantage_weight: float = 1.0
     """Weight of below-group-mean rollouts in the update: 1 is GRPO, 0 reinforces only rollouts that
     beat their group (RAFT-style, training.train.grpo.GRPOConfig.negative_advantage_weight)."""
+    entropy_coef: float = 0.0
+    """Weight of the policy's mean token entropy in the update (training.train.grpo.GRPOConfig.entropy_coef):
+    0 leaves it out, > 0 is an exploration bonus, < 0 sharpens the policy towards its modes."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
@@ -171,6 +174,11 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(
                 "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
                 f"beat their group), got {self.negative_advantage_weight}"
+            )
+        if not -1 < self.entropy_coef < 1:
+            raise AsyncRLConfigError(
+                f"entropy_coef must lie in (-1, 1) (0 leaves the entropy term out; typical values are within "
+                f"+-0.01), got {self.entropy_coef}"
             )
         try:
             self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
@@ -581,7 +589,9 @@ def run_async_rl(
         updates_per_step=config.updates_per_step,
         temperature=config.temperature,
         routing_replay=True,
-        grpo=GRPOConfig(negative_advantage_weight=config.negative_advantage_weight),
+        grpo=GRPOConfig(
+            negative_advantage_weight=config.negative_advantage_weight, entropy_coef=config.entropy_coef
+        ),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
         optimizer=optimizer_config,
@@ -729,7 +739,7 @@ def run_async_rl(
             **{
                 key: value
                 for key, value in update_stats.items()
-                if key in ("loss", "clip_fraction", "approx_kl")
+                if key in ("loss", "clip_fraction", "approx_kl", "entropy")
             },
         }
         rollout_rows = []

@@ -7,8 +7,11 @@ The objective, per token t of rollout i in group g (one group = several rollouts
 
     A_i      = r_i - mean_{j in g, valid} r_j            (optionally / (std_{j in g, valid} r_j + eps))
     ratio_it = exp(logp_theta(y_it) - logp_behaviour(y_it))
-    L_it     = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i)
+    L_it     = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i) - entropy_coef * H_it
     loss     = sum_{i,t} mask_it * L_it / sum_{i,t} mask_it          (token-level normalisation)
+
+where H_it is the entropy of the current policy's next-token distribution at that position (at the
+rollout temperature); entropy_coef defaults to 0.
 
 How this differs from the GRPO paper (Shao et al., 2024, DeepSeekMath):
 - no KL penalty to a reference model (as in DAPO / Dr. GRPO); the clip keeps updates local;
@@ -20,6 +23,9 @@ How this differs from the GRPO paper (Shao et al., 2024, DeepSeekMath):
 - optionally (negative_advantage_weight < 1) rollouts below their group's mean are down-weighted or,
   at 0, left out: the update then only reinforces what passed (RAFT / filtered behaviour cloning,
   with the group mean as baseline);
+- an optional entropy term (entropy_coef): > 0 is the usual exploration bonus; < 0 is entropy
+  minimisation (Agarwal et al., 2025, "The Unreasonable Effectiveness of Entropy Minimization"), which
+  sharpens the policy towards its own modes on the tokens it sampled;
 - rollouts that failed for infrastructure reasons (sandbox crash, timeouts of the machinery, not
   of the agent) carry no reward at all: they are masked out of the group statistics and the loss,
   never scored as zero;
@@ -124,6 +130,12 @@ class GRPOConfig:
     as the successful ones') is gone. On the tiny toy-tier policy it held lr 5e-5, where GRPO degraded,
     but collapsed at 3e-4 (BENCHMARKS.md, "RL experiments"). Values in between down-weight failures."""
 
+    entropy_coef: float = 0.0
+    """Weight of the mean token entropy subtracted from the loss. 0 leaves it out; > 0 rewards entropy
+    (keeps the policy exploring); < 0 penalises it, sharpening sampled decoding towards the policy's
+    modes. Keep |entropy_coef| well under the typical |advantage| (~0.3-0.5 on binary rewards), or the
+    entropy term outweighs the reward."""
+
     def __post_init__(self) -> None:
         if isinstance(self.length_penalty, dict):
             self.length_penalty = LengthPenaltyConfig(**self.length_penalty)
@@ -135,6 +147,11 @@ class GRPOConfig:
             raise GRPOConfigError(
                 f"dual_clip={self.dual_clip} must exceed 1 + clip_high={1 + self.clip_high}, otherwise it "
                 "clips inside the PPO trust region; raise it (3.0 is usual) or set it to None."
+            )
+        if not -1 < self.entropy_coef < 1:
+            raise GRPOConfigError(
+                f"entropy_coef={self.entropy_coef} must lie in (-1, 1): the rewards differ by at most 1, so a "
+                "larger weight lets the entropy term alone decide the update; typical values are within +-0.01."
             )
         if self.normalization not in ("token", "sequence"):
             raise GRPOConfigError(f"normalization={self.normalization!r}; use 'token' or 'sequence'.")
@@ -248,6 +265,9 @@ class PolicyLossOutput:
     approx_kl: float
     """Mean of (ratio - 1) - log(ratio) over valid tokens: a non-negative estimate of KL(behaviour||current)."""
 
+    entropy: float | None
+    """Mean entropy (nats) of the current policy over valid tokens; None when no entropies were given."""
+
     n_tokens: int
     """Valid tokens that contributed to the loss."""
 
@@ -260,6 +280,7 @@ def policy_loss(
     loss_mask: torch.Tensor,
     config: GRPOConfig,
     token_normalizer: float | None = None,
+    entropies: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss.
 
@@ -268,7 +289,8 @@ def policy_loss(
     one per sequence/segment; loss_mask: [B, T] 1 on assistant tokens of valid rollouts, 0 elsewhere
     (prompt, tool outputs, padding, infrastructure-failed rollouts). token_normalizer overrides the
     denominator of "token" normalisation (the valid-token count of the whole optimizer batch when it
-    is split into micro-batches or across data-parallel ranks).
+    is split into micro-batches or across data-parallel ranks). entropies: [B, T] the current policy's
+    next-token entropy at each position (with grad), required when config.entropy_coef is not 0.
     """
     if logprobs.shape != behaviour_logprobs.shape or logprobs.shape != loss_mask.shape:
         raise ValueError(
@@ -277,6 +299,10 @@ def policy_loss(
         )
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [batch]={logprobs.shape[0]}, got {tuple(advantages.shape)}.")
+    if entropies is not None and entropies.shape != logprobs.shape:
+        raise ValueError(f"entropies {tuple(entropies.shape)} must be [batch, tokens] like logprobs.")
+    if config.entropy_coef != 0 and entropies is None:
+        raise ValueError("config.entropy_coef is not 0 but no entropies were given; pass the policy's entropies.")
     mask = loss_mask.to(logprobs.dtype)
     # where() rather than multiplication: padding may hold NaN/inf behaviour logprobs.
     log_ratio = torch.where(loss_mask.bool(), logprobs - behaviour_logprobs.to(logprobs.dtype), 0.0)
@@ -288,6 +314,8 @@ def policy_loss(
     if config.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, config.dual_clip * adv), surrogate)
     per_token = torch.where(loss_mask.bool(), -surrogate, 0.0)
+    if config.entropy_coef != 0:
+        per_token = per_token - config.entropy_coef * torch.where(loss_mask.bool(), entropies, 0.0)
 
     n_tokens = int(mask.sum().item())
     if config.normalization == "token":
@@ -311,8 +339,12 @@ def policy_loss(
             approx_kl = ((selected_ratio - 1) - log_ratio[valid]).mean().item()
         else:
             clip_fraction, mean_ratio, approx_kl = 0.0, 1.0, 0.0
+        mean_entropy = None
+        if entropies is not None:
+            mean_entropy = entropies[valid].mean().item() if n_tokens else 0.0
     return PolicyLossOutput(
-        loss=loss, clip_fraction=clip_fraction, mean_ratio=mean_ratio, approx_kl=approx_kl, n_tokens=n_tokens
+        loss=loss, clip_fraction=clip_fraction, mean_ratio=mean_ratio, approx_kl=approx_kl,
+        entropy=mean_entropy, n_tokens=n_tokens,
     )
 
 

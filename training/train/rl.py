@@ -289,6 +289,17 @@ def segment_logprobs(
     Only the loss positions (the sampled tokens) get logits; the rest of the [B, T] result is 0 and
     carries no gradient. The loss reads nothing else, and a rollout's row is mostly prompt and tool output.
     """
+    return segment_logprobs_and_entropy(model, batch, temperature=temperature, routing_replay=routing_replay)[0]
+
+
+def segment_logprobs_and_entropy(
+    model: MoETransformer, batch: TrainingSegments, *, temperature: float, routing_replay: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_logprobs plus the policy's next-token entropy at the same positions ([B, T] each, 0 elsewhere).
+
+    Both come from one log-softmax over the loss positions' logits, so the entropy costs a product and a
+    sum over the vocabulary.
+    """
     mask = batch.loss_mask.bool()
     output = model(
         batch.input_ids,
@@ -296,8 +307,11 @@ def segment_logprobs(
         compute_router_losses=False,
         logits_mask=mask,
     )
-    sampled = token_logprobs(output.logits / temperature, batch.targets[mask].unsqueeze(0)).squeeze(0)
-    return torch.zeros(mask.shape, dtype=sampled.dtype, device=sampled.device).masked_scatter(mask, sampled)
+    log_probs = torch.log_softmax(output.logits.float() / temperature, dim=-1)
+    sampled = log_probs.gather(-1, batch.targets[mask].long().view(1, -1, 1)).view(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1).view(-1)
+    zeros = torch.zeros(mask.shape, dtype=sampled.dtype, device=sampled.device)
+    return zeros.masked_scatter(mask, sampled), zeros.masked_scatter(mask, entropy)
 
 
 def rl(
@@ -421,20 +435,22 @@ def policy_updates(
 ) -> dict[str, Any]:
     """updates_per_step clipped policy-gradient steps on the batch; returns the logged statistics."""
     total_tokens = float(sum(batch.loss_mask.sum() for batch in batches))
-    stats: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0, "approx_kl": 0.0,
+    stats: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0, "approx_kl": 0.0, "entropy": None,
                              "logprob_mismatch": None, "grad_norm": 0.0, "trained_tokens": int(total_tokens)}
     if total_tokens == 0:
         # No rollout carries signal (all masked, or every group scored uniformly). Taking an Adam
         # step on a zero gradient would still move the weights along the stale momentum, so skip it.
         return stats
     for update in range(config.updates_per_step):
-        weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "mismatch": 0.0}
+        weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "entropy": 0.0,
+                    "mismatch": 0.0}
         for batch in batches:
-            logprobs = segment_logprobs(model, batch, temperature=config.temperature,
-                                        routing_replay=config.routing_replay)
+            logprobs, entropies = segment_logprobs_and_entropy(
+                model, batch, temperature=config.temperature, routing_replay=config.routing_replay
+            )
             out = policy_loss(
                 logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs, advantages=batch.advantages,
-                loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens,
+                loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens, entropies=entropies,
             )
             out.loss.backward()
             share = out.n_tokens / total_tokens
@@ -442,6 +458,7 @@ def policy_updates(
             weighted["clip_fraction"] += out.clip_fraction * share
             weighted["mean_ratio"] += out.mean_ratio * share
             weighted["approx_kl"] += out.approx_kl * share
+            weighted["entropy"] += out.entropy * share
             mask = batch.loss_mask.bool()
             weighted["mismatch"] += float((logprobs.detach() - batch.behaviour_logprobs)[mask].abs().sum()) / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip or float("inf"))
@@ -452,7 +469,8 @@ def policy_updates(
             # train/rollout numerical mismatch (what routing replay reduces).
             stats["logprob_mismatch"] = weighted["mismatch"]
         stats.update(loss=weighted["loss"], clip_fraction=weighted["clip_fraction"],
-                     mean_ratio=weighted["mean_ratio"], approx_kl=weighted["approx_kl"], grad_norm=float(grad_norm))
+                     mean_ratio=weighted["mean_ratio"], approx_kl=weighted["approx_kl"],
+                     entropy=weighted["entropy"], grad_norm=float(grad_norm))
     return stats
 
 

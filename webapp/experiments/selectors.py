@@ -25,6 +25,7 @@ DASHBOARD_SERIES = (
     ("tool_calls_per_turn", "Tool calls per turn"),
     ("parallel_call_share", "Share of turns with parallel calls"),
     ("staleness_mean", "Staleness (mean policy lag)"),
+    ("entropy", "Policy entropy (nats per trained token)"),
     ("rollouts_per_s", "Rollouts / s"),
     ("worker_utilization", "Worker utilisation"),
 )
