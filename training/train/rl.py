@@ -41,7 +41,7 @@ from training.engine import EngineConfig
 from training.model.transformer import MoETransformer
 from training.serving import ChatModel
 from training.tasks.reward import RewardConfig
-from training.train.grpo import GRPOConfig, group_advantages, policy_loss, shaped_rewards, token_logprobs
+from training.train.grpo import GRPOConfig, group_advantages, policy_loss, shaped_rewards
 from training.train.loop import (
     METRICS_FILE,
     OptimizerConfig,
