@@ -175,10 +175,12 @@ class AsyncRLConfig:
                 "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
                 f"beat their group), got {self.negative_advantage_weight}"
             )
+        # GRPOConfig checks the same bound, but building one imports torch, which the web process
+        # validating a launch form should not pay for (negative_advantage_weight above likewise).
         if not -1 < self.entropy_coef < 1:
             raise AsyncRLConfigError(
-                f"entropy_coef must lie in (-1, 1) (0 leaves the entropy term out; typical values are within "
-                f"+-0.01), got {self.entropy_coef}"
+                f"entropy_coef={self.entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 "
+                "sharpens the policy, > 0 keeps it exploring; the runs in BENCHMARKS.md used -0.5 and 0.1"
             )
         try:
             self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
