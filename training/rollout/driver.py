@@ -122,7 +122,8 @@ class AsyncRLConfig:
     beat their group (RAFT-style, training.train.grpo.GRPOConfig.negative_advantage_weight)."""
     entropy_coef: float = 0.0
     """Weight of the policy's mean token entropy in the update (training.train.grpo.GRPOConfig.entropy_coef):
-    0 leaves it out, > 0 is an exploration bonus, < 0 sharpens the policy towards its modes."""
+    0 leaves it out, > 0 is an exploration bonus, < 0 sharpens the policy towards its modes. It acts on the
+    tokens the update trains: the rollouts of groups whose rewards differ."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
