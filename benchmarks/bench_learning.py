@@ -108,6 +108,8 @@ def main() -> None:
                         help="1 = GRPO; 0 = reinforce only rollouts that beat their group (RAFT-style)")
     parser.add_argument("--entropy-coef", type=float, default=0.0,
                         help="weight of the policy's token entropy in the update: > 0 bonus, < 0 sharpens")
+    parser.add_argument("--entropy-scope", choices=("all", "positive"), default="all",
+                        help="rollouts the entropy term covers: all trained ones, or only those that beat their group")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -137,6 +139,10 @@ def main() -> None:
             "benchmarks/bench_learning.py --init-checkpoint PATH [--minutes 60]"
         )
         return
+
+    if not args.evaluate_only and args.heldout < 2:
+        # Said now rather than after the training budget: the before/after comparison is a paired interval.
+        parser.error(f"--heldout {args.heldout}: the paired interval of the gain needs at least 2 held-out tasks")
 
     if args.evaluate_only:
         # One held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation of a run).
@@ -172,6 +178,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
         negative_advantage_weight=args.negative_advantage_weight,
         entropy_coef=args.entropy_coef,
+        entropy_scope=args.entropy_scope,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,

@@ -29,6 +29,8 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), negative_advantage_weight=2.0)
     with pytest.raises(AsyncRLConfigError, match=r"entropy_coef=1.5 must lie in \(-1, 1\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_coef=1.5)
+    with pytest.raises(AsyncRLConfigError, match=r"entropy_scope='wrong'; use 'all'"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_scope="wrong")
     with pytest.raises(AsyncRLConfigError, match=r"warmup_steps must be >= 0 \(0 starts at the full lr\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), warmup_steps=-1)
     with pytest.raises(AsyncRLConfigError, match=r"probe_size must be 0 \(no probing\) or between 2 and group_size - 1 = 3"):

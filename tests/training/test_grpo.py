@@ -288,3 +288,21 @@ def test_entropy_term_needs_entropies_and_a_bounded_coefficient():
                     loss_mask=torch.ones(1, 2), config=GRPOConfig(entropy_coef=-0.01))
     with pytest.raises(GRPOConfigError, match="entropy_coef=1.5 must lie in"):
         GRPOConfig(entropy_coef=1.5)
+
+
+def test_positive_entropy_scope_sharpens_only_rollouts_that_beat_their_group():
+    entropies = torch.tensor([[0.5, 0.2], [0.4, 0.3]], requires_grad=True)
+    logprobs = torch.zeros(2, 2)
+    kwargs = dict(
+        logprobs=logprobs, behaviour_logprobs=logprobs, advantages=torch.tensor([0.5, -0.5]),
+        loss_mask=torch.ones(2, 2), entropies=entropies,
+    )
+    without = policy_loss(config=GRPOConfig(), **kwargs).loss
+    everywhere = policy_loss(config=GRPOConfig(entropy_coef=-0.1), **kwargs).loss
+    positive = policy_loss(config=GRPOConfig(entropy_coef=-0.1, entropy_scope="positive"), **kwargs)
+    assert (everywhere - without).item() == pytest.approx(0.1 * (0.5 + 0.2 + 0.4 + 0.3) / 4)
+    assert (positive.loss - without).item() == pytest.approx(0.1 * (0.5 + 0.2) / 4)
+    positive.loss.backward()
+    assert torch.all(entropies.grad[1] == 0) and torch.all(entropies.grad[0] > 0)
+    with pytest.raises(GRPOConfigError, match="entropy_scope='wrong'; use 'all'"):
+        GRPOConfig(entropy_scope="wrong")

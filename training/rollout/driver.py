@@ -124,6 +124,9 @@ class AsyncRLConfig:
     """Weight of the policy's mean token entropy in the update (training.train.grpo.GRPOConfig.entropy_coef):
     0 leaves it out, > 0 is an exploration bonus, < 0 sharpens the policy towards its modes. It acts on the
     tokens the update trains: the rollouts of groups whose rewards differ."""
+    entropy_scope: str = "all"
+    """Rollouts the entropy term covers: "all" trained ones, or "positive" (only those that beat their
+    group, so sharpening does not lock in wrong choices; training.train.grpo.GRPOConfig.entropy_scope)."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
@@ -182,6 +185,11 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(
                 f"entropy_coef={self.entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 "
                 "sharpens the policy, > 0 keeps it exploring; the runs in BENCHMARKS.md used -0.5 and 0.1"
+            )
+        if self.entropy_scope not in ("all", "positive"):
+            raise AsyncRLConfigError(
+                f"entropy_scope={self.entropy_scope!r}; use 'all' (every trained rollout) or 'positive' (only "
+                "rollouts that beat their group)"
             )
         try:
             self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
@@ -593,7 +601,9 @@ def run_async_rl(
         temperature=config.temperature,
         routing_replay=True,
         grpo=GRPOConfig(
-            negative_advantage_weight=config.negative_advantage_weight, entropy_coef=config.entropy_coef
+            negative_advantage_weight=config.negative_advantage_weight,
+            entropy_coef=config.entropy_coef,
+            entropy_scope=config.entropy_scope,
         ),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
