@@ -7,6 +7,9 @@ driver killed mid-run, resume without double counting) in test_experiment_pages.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from training.checkpoint import create_random_checkpoint
@@ -25,7 +28,7 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(
             run_dir=str(tmp_path), init_checkpoint=str(checkpoint), rollout_workers=1, inference_actors=2
         )
-    with pytest.raises(AsyncRLConfigError, match=r"negative_advantage_weight must lie in \[0, 1\]"):
+    with pytest.raises(AsyncRLConfigError, match=r"negative_advantage_weight=2.0 must lie in \[0, 1\]"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), negative_advantage_weight=2.0)
     with pytest.raises(AsyncRLConfigError, match=r"entropy_coef=1.5 must lie in \(-1, 1\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_coef=1.5)
@@ -70,3 +73,21 @@ def test_rollouts_run_on_fleet_sandbox_hosts(checkpoint, tmp_path):
         row["valid"] and row["status"].startswith(("succeeded", "failed")) for row in rows
     )
     assert read_jsonl(tmp_path / "run" / METRICS_FILE)[0]["masked_rollouts"] == 0
+
+
+def test_validating_a_launch_config_does_not_import_torch(tmp_path):
+    """The web process validates launch forms with AsyncRLConfig; the objective checks it shares with
+    GRPOConfig must not drag torch (seconds of import, hundreds of MB) into it."""
+    script = (
+        "import sys\n"
+        "from training.rollout.driver import AsyncRLConfig, AsyncRLConfigError\n"
+        "try:\n"
+        f"    AsyncRLConfig(run_dir={str(tmp_path)!r}, init_checkpoint='unused', entropy_scope='wrong')\n"
+        "except AsyncRLConfigError as error:\n"
+        "    print(error)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    message, torch_imported = result.stdout.strip().splitlines()
+    assert message.startswith("entropy_scope='wrong'; use 'all'")
+    assert torch_imported == "False"

@@ -43,6 +43,7 @@ from training.rollout.scheduler import (
     SchedulerConfig,
     SchedulerConfigError,
 )
+from training.train.objective_options import objective_options_problem
 
 logger = logging.getLogger(__name__)
 
@@ -174,23 +175,13 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(f"warmup_steps must be >= 0 (0 starts at the full lr), got {self.warmup_steps}")
         if self.gain_lr_scale <= 0:
             raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
-        if not 0 <= self.negative_advantage_weight <= 1:
-            raise AsyncRLConfigError(
-                "negative_advantage_weight must lie in [0, 1] (1 = GRPO, 0 = reinforce only rollouts that "
-                f"beat their group), got {self.negative_advantage_weight}"
-            )
-        # GRPOConfig checks the same bound, but building one imports torch, which the web process
-        # validating a launch form should not pay for (negative_advantage_weight above likewise).
-        if not -1 < self.entropy_coef < 1:
-            raise AsyncRLConfigError(
-                f"entropy_coef={self.entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 "
-                "sharpens the policy, > 0 keeps it exploring; the runs in BENCHMARKS.md used -0.5 and 0.1"
-            )
-        if self.entropy_scope not in ("all", "positive"):
-            raise AsyncRLConfigError(
-                f"entropy_scope={self.entropy_scope!r}; use 'all' (every trained rollout) or 'positive' (only "
-                "rollouts that beat their group)"
-            )
+        problem = objective_options_problem(
+            negative_advantage_weight=self.negative_advantage_weight,
+            entropy_coef=self.entropy_coef,
+            entropy_scope=self.entropy_scope,
+        )
+        if problem:
+            raise AsyncRLConfigError(problem.removesuffix("."))
         try:
             self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
         except SchedulerConfigError as error:

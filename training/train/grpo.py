@@ -55,8 +55,9 @@ from typing import Literal
 
 import torch
 
+from training.train.objective_options import EntropyScope, objective_options_problem
+
 Normalization = Literal["token", "sequence"]
-EntropyScope = Literal["all", "positive"]
 
 
 class GRPOConfigError(ValueError):
@@ -156,26 +157,17 @@ class GRPOConfig:
                 f"dual_clip={self.dual_clip} must exceed 1 + clip_high={1 + self.clip_high}, otherwise it "
                 "clips inside the PPO trust region; raise it (3.0 is usual) or set it to None."
             )
-        if not -1 < self.entropy_coef < 1:
-            raise GRPOConfigError(
-                f"entropy_coef={self.entropy_coef} must lie in (-1, 1): the rewards differ by at most 1, so a "
-                "larger weight lets the entropy term alone decide the update; the runs in BENCHMARKS.md used "
-                "-0.5 and 0.1."
-            )
-        if self.entropy_scope not in ("all", "positive"):
-            raise GRPOConfigError(
-                f"entropy_scope={self.entropy_scope!r}; use 'all' (every trained rollout) or 'positive' (only "
-                "rollouts that beat their group)."
-            )
         if self.normalization not in ("token", "sequence"):
             raise GRPOConfigError(f"normalization={self.normalization!r}; use 'token' or 'sequence'.")
         if self.advantage_eps <= 0:
             raise GRPOConfigError("advantage_eps must be positive.")
-        if not 0 <= self.negative_advantage_weight <= 1:
-            raise GRPOConfigError(
-                f"negative_advantage_weight={self.negative_advantage_weight} must lie in [0, 1]: 1 is GRPO, "
-                "0 keeps only rollouts better than their group's mean."
-            )
+        problem = objective_options_problem(
+            negative_advantage_weight=self.negative_advantage_weight,
+            entropy_coef=self.entropy_coef,
+            entropy_scope=self.entropy_scope,
+        )
+        if problem:
+            raise GRPOConfigError(problem)
 
 
 def length_penalty(

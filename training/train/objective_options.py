@@ -1,0 +1,37 @@
+"""Checks of the policy-objective options that both the GRPO loss and the launch form configure.
+
+Torch-free on purpose: `training.train.grpo.GRPOConfig` (which the learner builds) and
+`training.rollout.driver.AsyncRLConfig` (which the web process builds to validate a launch form,
+and must not pay a torch import for) both call `objective_options_problem`, so the bounds and their
+messages live in one place. Each message starts with the field name, which the launch form keys on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+EntropyScope = Literal["all", "positive"]
+ENTROPY_SCOPES: tuple[str, ...] = ("all", "positive")
+
+
+def objective_options_problem(
+    *, negative_advantage_weight: float, entropy_coef: float, entropy_scope: str
+) -> str | None:
+    """The first thing wrong with these options, as a message that says how to fix it; None if they are valid."""
+    if not 0 <= negative_advantage_weight <= 1:
+        return (
+            f"negative_advantage_weight={negative_advantage_weight} must lie in [0, 1]: 1 is GRPO, 0 keeps only "
+            "rollouts better than their group's mean."
+        )
+    if not -1 < entropy_coef < 1:
+        return (
+            f"entropy_coef={entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 sharpens the "
+            "policy, > 0 keeps it exploring; the rewards differ by at most 1, so a larger weight lets the entropy "
+            "term alone decide the update (the runs in BENCHMARKS.md used -0.5 and 0.1)."
+        )
+    if entropy_scope not in ENTROPY_SCOPES:
+        return (
+            f"entropy_scope={entropy_scope!r}; use 'all' (every trained rollout) or 'positive' (only rollouts "
+            "that beat their group)."
+        )
+    return None
