@@ -99,7 +99,12 @@ def main() -> None:
     parser.add_argument("--inference-actors", type=int, default=1)
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-tokens-per-turn", type=int, default=AsyncRLConfig.max_tokens_per_turn)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature of the held-out evaluations (and of the training rollouts "
+                             "unless --rollout-temperature says otherwise)")
+    parser.add_argument("--rollout-temperature", type=float, default=None,
+                        help="sampling temperature of the training rollouts (default: --temperature); a hotter "
+                             "one trains the policy to be good when sampled broadly, so it is sharper at --temperature")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--warmup-steps", type=int, default=0, help="updates of linear learning-rate warmup")
     parser.add_argument("--gain-lr-scale", type=float, default=1.0,
@@ -173,7 +178,7 @@ def main() -> None:
         inference_actors=args.inference_actors,
         max_turns=args.max_turns,
         max_tokens_per_turn=args.max_tokens_per_turn,
-        temperature=args.temperature,
+        temperature=args.temperature if args.rollout_temperature is None else args.rollout_temperature,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         negative_advantage_weight=args.negative_advantage_weight,
@@ -212,6 +217,8 @@ def main() -> None:
         "init_checkpoint": args.init_checkpoint,
         "final_checkpoint": str(final) if final else None,
         "training_minutes": round(training_minutes, 1),
+        "rollout_temperature": config.temperature,
+        "evaluation_temperature": args.temperature,
         "steps": len(metrics),
         "heldout_before": before,
         "heldout_after": after,
