@@ -73,7 +73,7 @@ def test_invalid_config_explains_the_fix_and_creates_nothing(client, owner, poli
     )
     assert response.status_code == 400
     assert 'data-error-for="negative_advantage_weight"' in response.content.decode()
-    assert "1 = GRPO, 0 = reinforce only rollouts that beat their group" in response.content.decode()
+    assert "1 is GRPO, 0 keeps only rollouts better than their group" in response.content.decode()
     assert not Experiment.objects.exists()
 
 
