@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.bench.runner import BenchConfig, paired_pass_at_1_difference, run_benchmark
 from training.rollout.driver import METRICS_FILE, AsyncRLConfig, read_jsonl, run_async_rl
+from training.train.objective_options import ENTROPY_SCOPES
 from training.train.state import latest_checkpoint
 
 
@@ -113,7 +114,7 @@ def main() -> None:
                         help="1 = GRPO; 0 = reinforce only rollouts that beat their group (RAFT-style)")
     parser.add_argument("--entropy-coef", type=float, default=0.0,
                         help="weight of the policy's token entropy in the update: > 0 bonus, < 0 sharpens")
-    parser.add_argument("--entropy-scope", choices=("all", "positive"), default="all",
+    parser.add_argument("--entropy-scope", choices=ENTROPY_SCOPES, default="all",
                         help="rollouts the entropy term covers: all trained ones, or only those that beat their group")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")

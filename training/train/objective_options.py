@@ -8,10 +8,10 @@ messages live in one place. Each message starts with the field name, which the l
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 EntropyScope = Literal["all", "positive"]
-ENTROPY_SCOPES: tuple[str, ...] = ("all", "positive")
+ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
 
 
 def objective_options_problem(
