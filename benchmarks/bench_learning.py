@@ -108,6 +108,13 @@ def main() -> None:
                              "one trains the policy to be good when sampled broadly, so it is sharper at --temperature")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--warmup-steps", type=int, default=0, help="updates of linear learning-rate warmup")
+    parser.add_argument("--max-updates", type=int, default=None,
+                        help="stop after this many updates even within --minutes; the lr schedule counts "
+                             "updates, so --min-lr-ratio needs it (the development machine makes ~675 per hour)")
+    parser.add_argument("--min-lr-ratio", type=float, default=1.0,
+                        help="lr at --max-updates as a fraction of --lr (cosine decay; 1 keeps lr constant)")
+    parser.add_argument("--lr-decay-fraction", type=float, default=1.0,
+                        help="share of the updates after the warmup over which lr decays (0.25: the last quarter)")
     parser.add_argument("--gain-lr-scale", type=float, default=1.0,
                         help="learning-rate multiplier for normalisation gains (1-D parameters)")
     parser.add_argument("--negative-advantage-weight", type=float, default=1.0,
@@ -149,6 +156,11 @@ def main() -> None:
     if not args.evaluate_only and args.heldout < 2:
         # Said now rather than after the training budget: the before/after comparison is a paired interval.
         parser.error(f"--heldout {args.heldout}: the paired interval of the gain needs at least 2 held-out tasks")
+    if args.min_lr_ratio < 1 and args.max_updates is None and not args.evaluate_only:
+        parser.error(
+            f"--min-lr-ratio {args.min_lr_ratio}: the decay ends at --max-updates, which is not set; set it to "
+            "the updates --minutes allows (a run that stops on the clock first never finishes its decay)"
+        )
 
     if args.evaluate_only:
         # One held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation of a run).
@@ -169,7 +181,7 @@ def main() -> None:
     config = AsyncRLConfig(
         run_dir=args.run_dir,
         init_checkpoint=args.init_checkpoint,
-        steps=100_000,
+        steps=args.max_updates or 100_000,
         tasks=args.tasks,
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
@@ -182,6 +194,8 @@ def main() -> None:
         temperature=args.temperature if args.rollout_temperature is None else args.rollout_temperature,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
+        min_lr_ratio=args.min_lr_ratio,
+        lr_decay_fraction=args.lr_decay_fraction,
         negative_advantage_weight=args.negative_advantage_weight,
         entropy_coef=args.entropy_coef,
         entropy_scope=args.entropy_scope,

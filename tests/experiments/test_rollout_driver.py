@@ -36,6 +36,10 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_scope="wrong")
     with pytest.raises(AsyncRLConfigError, match=r"warmup_steps must be >= 0 \(0 starts at the full lr\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), warmup_steps=-1)
+    with pytest.raises(AsyncRLConfigError, match=r"min_lr_ratio must be in \[0, 1\] \(1 keeps lr constant\)"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), min_lr_ratio=1.5)
+    with pytest.raises(AsyncRLConfigError, match=r"lr_decay_fraction must be in \(0, 1\]"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), lr_decay_fraction=0.0)
     with pytest.raises(AsyncRLConfigError, match=r"probe_size must be 0 \(no probing\) or between 2 and group_size - 1 = 3"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=4, probe_size=4)
     assert AsyncRLConfig(

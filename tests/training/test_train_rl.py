@@ -14,7 +14,13 @@ from training.serving import ChatModel
 from training.tasks.sandboxing import task_sandboxes_create
 from training.tasks.toy import generate_toy_task
 from training.train.grpo import GRPOConfig
-from training.train.loop import OptimizerConfig, TrainConfigError, build_optimizer, read_metrics
+from training.train.loop import (
+    OptimizerConfig,
+    TrainConfigError,
+    build_optimizer,
+    build_scheduler,
+    read_metrics,
+)
 from training.train.rl import (
     RLConfig,
     policy_updates,
@@ -193,6 +199,24 @@ def test_gain_lr_scale_gives_one_dimensional_parameters_their_own_step_size():
     assert gain_step == pytest.approx(1e-2, rel=0.01) and bias_step == pytest.approx(1e-2, rel=0.01)
     with pytest.raises(TrainConfigError, match="gain_lr_scale must be positive"):
         OptimizerConfig(gain_lr_scale=0.0)
+
+
+def test_decay_fraction_holds_the_peak_lr_then_anneals_over_the_last_share_of_steps():
+    """Warmup-stable-decay: warmup over 2 steps, lr held until the last quarter of the 8 steps after it,
+    then a cosine to min_lr_ratio * lr at the last step; decay_fraction=1 is the plain warmup + cosine."""
+    model = torch.nn.Linear(4, 4)
+    config = OptimizerConfig(lr=1.0, warmup_steps=2, weight_decay=0.0, min_lr_ratio=0.1, decay_fraction=0.25)
+    schedule = build_scheduler(build_optimizer(model, config), config, total_steps=10)
+    multipliers = [schedule.lr_lambdas[0](step) for step in range(11)]
+    assert multipliers[:2] == pytest.approx([1 / 3, 2 / 3])
+    assert multipliers[2:9] == pytest.approx([1.0] * 7)
+    assert multipliers[9] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the 2 decay steps
+    assert multipliers[10] == pytest.approx(0.1)
+    plain = OptimizerConfig(lr=1.0, warmup_steps=2, weight_decay=0.0, min_lr_ratio=0.1)
+    cosine = build_scheduler(build_optimizer(model, plain), plain, total_steps=10).lr_lambdas[0]
+    assert cosine(6) == pytest.approx(0.1 + 0.9 * 0.5) and cosine(3) < 1.0
+    with pytest.raises(TrainConfigError, match=r"decay_fraction must be in \(0, 1\]"):
+        OptimizerConfig(decay_fraction=0.0)
 
 
 def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpoint):

@@ -110,11 +110,18 @@ class AsyncRLConfig:
     rollout_wall_time_s: float = 300.0
     """Wall-clock limit of one rollout's agent loop."""
     lr: float = 1e-5
-    """Learning rate of the policy update (constant after the warmup)."""
+    """Peak learning rate of the policy update (constant after the warmup unless min_lr_ratio < 1)."""
     warmup_steps: int = 0
     """Updates of linear warmup from ~0 to lr. A fresh Adam's first steps move every parameter by ~lr
     whatever the gradient's size (its second-moment estimate is still one sample); a ramp lets that
     estimate settle before the steps reach full size."""
+    min_lr_ratio: float = 1.0
+    """Learning rate at the last of `steps` updates as a fraction of lr, reached by a cosine decay over the
+    last lr_decay_fraction of the updates after the warmup; 1 keeps lr constant. The schedule counts
+    updates, so a run stopped by a clock should set steps to the updates its budget allows."""
+    lr_decay_fraction: float = 1.0
+    """Share of the updates after the warmup over which lr decays to min_lr_ratio * lr (the ones before
+    hold lr); 0.25 anneals over the last quarter."""
     gain_lr_scale: float = 1.0
     """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
     learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
@@ -175,6 +182,13 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(f"warmup_steps must be >= 0 (0 starts at the full lr), got {self.warmup_steps}")
         if self.gain_lr_scale <= 0:
             raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise AsyncRLConfigError(f"min_lr_ratio must be in [0, 1] (1 keeps lr constant), got {self.min_lr_ratio}")
+        if not 0 < self.lr_decay_fraction <= 1:
+            raise AsyncRLConfigError(
+                f"lr_decay_fraction must be in (0, 1] (1 decays over every update after the warmup), "
+                f"got {self.lr_decay_fraction}"
+            )
         problem = objective_options_problem(
             negative_advantage_weight=self.negative_advantage_weight,
             entropy_coef=self.entropy_coef,
@@ -562,7 +576,12 @@ def run_async_rl(
     model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
     model.train()
     optimizer_config = OptimizerConfig(
-        lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=0.0, min_lr_ratio=1.0, gain_lr_scale=config.gain_lr_scale
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        weight_decay=0.0,
+        min_lr_ratio=config.min_lr_ratio,
+        decay_fraction=config.lr_decay_fraction,
+        gain_lr_scale=config.gain_lr_scale,
     )
     optimizer = build_optimizer(model, optimizer_config)
     lr_schedule = build_scheduler(optimizer, optimizer_config, total_steps=config.steps)
@@ -685,6 +704,7 @@ def run_async_rl(
             with_routing=model.config.is_moe,
             merge_turns=update_config.grpo.normalization == "token",
         )
+        lr_used = lr_schedule.get_last_lr()[0]
         update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
         if update_stats.get("trained_tokens"):
             # No optimizer step was taken when every rollout was masked; the schedule waits too.
@@ -733,6 +753,7 @@ def run_async_rl(
             "sampled_pass_rate": _mean([float(record.passed) for record in sampled]),
             "worker_utilization": min(1.0, scheduler.stats.busy_seconds / (config.rollout_workers * wall)),
             "dropped_stale_total": scheduler.stats.dropped_stale,
+            "lr": lr_used,
             "failed_rollouts_total": scheduler.stats.failed,
             "stage_seconds": {
                 "sandbox": _mean([result["timings"]["sandbox_s"] for result in results]),

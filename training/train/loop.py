@@ -59,7 +59,7 @@ class DataSource(Protocol):
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay to min_lr_ratio * lr."""
+    """AdamW with linear warmup, then lr held, then cosine decay to min_lr_ratio * lr."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -69,6 +69,10 @@ class OptimizerConfig:
 
     warmup_steps: int = 10
     """Steps of linear warmup from 0 to lr."""
+
+    decay_fraction: float = 1.0
+    """Share of the steps after the warmup over which the lr decays (cosine) to min_lr_ratio * lr; the
+    steps before the decay hold lr (a warmup-stable-decay schedule). 1 decays over the whole run."""
 
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm gains and embeddings are not decayed)."""
@@ -96,6 +100,10 @@ class OptimizerConfig:
             raise TrainConfigError(f"gain_lr_scale must be positive (1 keeps gains at lr), got {self.gain_lr_scale}.")
         if not 0 <= self.min_lr_ratio <= 1:
             raise TrainConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        if not 0 < self.decay_fraction <= 1:
+            raise TrainConfigError(
+                f"decay_fraction must be in (0, 1] (1 decays over every step after the warmup), got {self.decay_fraction}."
+            )
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise TrainConfigError("warmup_steps, grad_clip and weight_decay must be >= 0.")
 
@@ -205,7 +213,9 @@ def build_scheduler(
     def multiplier(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / (config.warmup_steps + 1)
-        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        decay_steps = config.decay_fraction * (total_steps - config.warmup_steps)
+        decay_start = total_steps - decay_steps
+        progress = max(0.0, step - decay_start) / max(1.0, decay_steps)
         cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
 
