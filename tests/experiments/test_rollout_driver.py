@@ -51,14 +51,18 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig.from_dict({"run_dir": "x", "init_checkpoint": str(checkpoint), "stepz": 3})
 
 
-def test_rollouts_run_on_fleet_sandbox_hosts(checkpoint, tmp_path):
-    """One real step whose sandboxes live on the fleet's sandbox-host actors (private local Ray)."""
+def test_rollouts_run_on_fleet_sandbox_hosts_and_the_lr_schedule_follows_versions(checkpoint, tmp_path):
+    """Real steps whose sandboxes live on the fleet's sandbox-host actors (private local Ray). A random
+    policy never passes, so its groups agree and no update trains; the lr still decays per version, or a
+    clock-stopped run whose groups often agree would end before its decay began."""
     from training.rollout.driver import METRICS_FILE, ROLLOUTS_FILE, read_jsonl, run_async_rl
 
     config = AsyncRLConfig(
         run_dir=str(tmp_path / "run"),
         init_checkpoint=str(checkpoint),
-        steps=1,
+        steps=3,
+        lr=1e-3,
+        min_lr_ratio=0.1,
         tasks=2,
         group_size=2,
         groups_per_step=1,
@@ -71,12 +75,16 @@ def test_rollouts_run_on_fleet_sandbox_hosts(checkpoint, tmp_path):
         fleet_heartbeats=False,
     )
     history = run_async_rl(config)
-    assert [row["step"] for row in history] == [1]
+    assert [row["step"] for row in history] == [1, 2, 3]
     rows = read_jsonl(tmp_path / "run" / ROLLOUTS_FILE)
-    assert len(rows) == 2 and all(
+    assert len(rows) == 6 and all(
         row["valid"] and row["status"].startswith(("succeeded", "failed")) for row in rows
     )
-    assert read_jsonl(tmp_path / "run" / METRICS_FILE)[0]["masked_rollouts"] == 0
+    metrics = read_jsonl(tmp_path / "run" / METRICS_FILE)
+    assert [row["masked_rollouts"] for row in metrics] == [0, 0, 0]
+    assert [row["pass_rate"] for row in metrics] == [0.0, 0.0, 0.0]
+    # Cosine from lr to 0.1 lr over the 3 versions: 1, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25.
+    assert [row["lr"] for row in metrics] == pytest.approx([1e-3, 0.775e-3, 0.325e-3])
 
 
 def test_validating_a_launch_config_does_not_import_torch(tmp_path):

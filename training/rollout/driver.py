@@ -30,6 +30,7 @@ import signal
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -118,7 +119,8 @@ class AsyncRLConfig:
     min_lr_ratio: float = 1.0
     """Learning rate at the last of `steps` updates as a fraction of lr, reached by a cosine decay over the
     last lr_decay_fraction of the updates after the warmup; 1 keeps lr constant. The schedule counts
-    updates, so a run stopped by a clock should set steps to the updates its budget allows."""
+    updates (policy versions, trained or not: a group whose rollouts agree still takes one), so a run
+    stopped by a clock should set steps to the updates its budget allows."""
     lr_decay_fraction: float = 1.0
     """Share of the updates after the warmup over which lr decays to min_lr_ratio * lr (the ones before
     hold lr); 0.25 anneals over the last quarter."""
@@ -706,8 +708,13 @@ def run_async_rl(
         )
         lr_used = lr_schedule.get_last_lr()[0]
         update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
-        if update_stats.get("trained_tokens"):
-            # No optimizer step was taken when every rollout was masked; the schedule waits too.
+        # The schedule follows the policy version even when this update trained nothing (a group that
+        # all passed or all failed has no advantage): `steps` counts versions, and a schedule that
+        # waited for trained updates would still be short of its decay when the run ends (a third of
+        # a run's groups can agree). A first update that trained nothing makes torch warn that a
+        # schedule value was skipped; none was.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             lr_schedule.step()
         update_seconds = time.monotonic() - update_started
         new_version = version + 1
