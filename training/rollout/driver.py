@@ -30,7 +30,6 @@ import signal
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -710,12 +709,10 @@ def run_async_rl(
         update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
         # The schedule follows the policy version even when this update trained nothing (a group that
         # all passed or all failed has no advantage): `steps` counts versions, and a schedule that
-        # waited for trained updates would still be short of its decay when the run ends (a third of
-        # a run's groups can agree). A first update that trained nothing makes torch warn that a
-        # schedule value was skipped; none was.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            lr_schedule.step()
+        # waited for trained updates would still be short of its decay when the run ends (40 % of a
+        # run's updates can train nothing). If the first update trained nothing, torch warns once that
+        # a schedule value was skipped; none was.
+        lr_schedule.step()
         update_seconds = time.monotonic() - update_started
         new_version = version + 1
         state.counted_groups.update(group[0].request.group_id for group in [*groups, *abandoned])
