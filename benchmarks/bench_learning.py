@@ -124,6 +124,8 @@ def main() -> None:
                         help="weight of the policy's token entropy in the update: > 0 bonus, < 0 sharpens")
     parser.add_argument("--entropy-scope", choices=ENTROPY_SCOPES, default="all",
                         help="rollouts the entropy term covers: all trained ones, or only those that beat their group")
+    parser.add_argument("--kl-coef", type=float, default=0.0,
+                        help="weight of the per-token KL penalty to the --init-checkpoint policy (0 = none)")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -200,6 +202,7 @@ def main() -> None:
         negative_advantage_weight=args.negative_advantage_weight,
         entropy_coef=args.entropy_coef,
         entropy_scope=args.entropy_scope,
+        kl_coef=args.kl_coef,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,

@@ -34,6 +34,8 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_coef=1.5)
     with pytest.raises(AsyncRLConfigError, match=r"entropy_scope='wrong'; use 'all'"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), entropy_scope="wrong")
+    with pytest.raises(AsyncRLConfigError, match=r"kl_coef=-0.1 must lie in \[0, 1\)"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), kl_coef=-0.1)
     with pytest.raises(AsyncRLConfigError, match=r"warmup_steps must be >= 0 \(0 starts at the full lr\)"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), warmup_steps=-1)
     with pytest.raises(AsyncRLConfigError, match=r"min_lr_ratio must be in \[0, 1\] \(1 keeps lr constant\)"):
@@ -73,6 +75,7 @@ def test_rollouts_run_on_fleet_sandbox_hosts_and_the_lr_schedule_follows_version
         ray_num_cpus=1,
         sandbox_hosts=True,
         fleet_heartbeats=False,
+        kl_coef=0.05,  # loads the reference policy; with no trained update there is no KL to report
     )
     history = run_async_rl(config)
     assert [row["step"] for row in history] == [1, 2, 3]
@@ -83,6 +86,7 @@ def test_rollouts_run_on_fleet_sandbox_hosts_and_the_lr_schedule_follows_version
     metrics = read_jsonl(tmp_path / "run" / METRICS_FILE)
     assert [row["masked_rollouts"] for row in metrics] == [0, 0, 0]
     assert [row["pass_rate"] for row in metrics] == [0.0, 0.0, 0.0]
+    assert [row["kl_to_reference"] for row in metrics] == [None, None, None]
     # Cosine from lr to 0.1 lr over the 3 versions: 1, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25.
     assert [row["lr"] for row in metrics] == pytest.approx([1e-3, 0.775e-3, 0.325e-3])
 

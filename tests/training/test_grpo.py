@@ -306,3 +306,49 @@ def test_positive_entropy_scope_sharpens_only_rollouts_that_beat_their_group():
     assert torch.all(entropies.grad[1] == 0) and torch.all(entropies.grad[0] > 0)
     with pytest.raises(GRPOConfigError, match="entropy_scope='wrong'; use 'all'"):
         GRPOConfig(entropy_scope="wrong")
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_pulls_the_policy_back_to_it():
+    # Advantage 0, so only the KL term acts; the policy has moved token 0 up from the reference's 0.5.
+    reference_logits = torch.tensor([[[0.0, 0.0], [0.0, 0.0]]])
+    logits = torch.tensor([[[1.5, 0.0], [0.0, 0.0]]], requires_grad=True)
+    logprobs = torch.log_softmax(logits, dim=-1)[..., 0]
+    reference_logprobs = torch.log_softmax(reference_logits, dim=-1)[..., 0]
+    kwargs = dict(behaviour_logprobs=logprobs.detach(), advantages=torch.tensor([0.0]), loss_mask=torch.ones(1, 2))
+
+    off = policy_loss(logprobs=logprobs, config=GRPOConfig(), reference_logprobs=reference_logprobs, **kwargs)
+    assert off.loss.item() == 0.0
+    gap = (reference_logprobs - logprobs).detach()
+    k3 = (gap.exp() - gap - 1)
+    assert off.kl_to_reference == pytest.approx(k3.mean().item())
+    assert k3[0, 0] > 0 and k3[0, 1] == 0  # non-negative, and zero where the policy equals the reference
+
+    penalised = policy_loss(logprobs=logprobs, config=GRPOConfig(kl_coef=0.1), reference_logprobs=reference_logprobs,
+                            **kwargs)
+    assert penalised.loss.item() == pytest.approx(0.1 * k3.mean().item())
+    penalised.loss.backward()
+    # Descending the loss lowers the token the policy had pushed above the reference.
+    assert logits.grad[0, 0, 0] > 0 and logits.grad[0, 1].abs().max() == 0
+
+
+def test_kl_penalty_needs_reference_logprobs_and_a_bounded_coefficient():
+    logprobs = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="no reference_logprobs were given"):
+        policy_loss(logprobs=logprobs, behaviour_logprobs=logprobs, advantages=torch.tensor([1.0]),
+                    loss_mask=torch.ones(1, 2), config=GRPOConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"reference_logprobs \(1, 3\) must be"):
+        policy_loss(logprobs=logprobs, behaviour_logprobs=logprobs, advantages=torch.tensor([1.0]),
+                    loss_mask=torch.ones(1, 2), config=GRPOConfig(kl_coef=0.1), reference_logprobs=torch.zeros(1, 3))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(GRPOConfigError, match=f"kl_coef={bad} must lie in"):
+            GRPOConfig(kl_coef=bad)
+
+
+def test_kl_penalty_ignores_padding_with_infinite_reference_logprobs():
+    logprobs = torch.tensor([[-0.5, 0.0]], requires_grad=True)
+    reference_logprobs = torch.tensor([[-0.7, float("-inf")]])
+    out = policy_loss(logprobs=logprobs, behaviour_logprobs=logprobs.detach(), advantages=torch.tensor([0.0]),
+                      loss_mask=torch.tensor([[1.0, 0.0]]), config=GRPOConfig(kl_coef=0.2),
+                      reference_logprobs=reference_logprobs)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.all(torch.isfinite(logprobs.grad)) and logprobs.grad[0, 1] == 0

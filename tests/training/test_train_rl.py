@@ -24,6 +24,7 @@ from training.train.loop import (
 from training.train.rl import (
     RLConfig,
     policy_updates,
+    reference_model_load,
     rl,
     rollout_advantages,
     segment_logprobs,
@@ -122,6 +123,52 @@ def test_grpo_update_moves_probability_towards_the_better_rollout(checkpoint, ro
     # Same weights as the rollout policy before the first update: train and rollout logprobs agree.
     assert stats["logprob_mismatch"] < 1e-3
     assert stats["trained_tokens"] == sum(len(s.token_ids) for r in (good, bad) for s in r.segments)
+
+
+def test_kl_penalty_keeps_the_update_nearer_the_reference_policy(checkpoint, rollouts):
+    """The same GRPO step from a policy that has drifted, with and without the penalty to its starting point."""
+    good, bad = rollouts[0], rollouts[1]
+    good.reward = 1.0
+    try:
+        advantages = rollout_advantages([good, bad], GRPOConfig())
+        batches = segments_to_batches(records=[good, bad], advantages=advantages, micro_batch_size=1, pad_id=0,
+                                      with_routing=True)
+    finally:
+        good.reward = 0.0
+
+    def kl_after_update(kl_coef: float) -> tuple[float, dict]:
+        config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2,
+                          updates_per_step=3, grpo=GRPOConfig(kl_coef=kl_coef),
+                          optimizer=OptimizerConfig(lr=3e-3, warmup_steps=0, weight_decay=0.0))
+        reference = reference_model_load(config)
+        assert (reference is None) == (kl_coef == 0)
+        starting_policy, _, _ = load_checkpoint(checkpoint)
+        model, _, _ = load_checkpoint(checkpoint)
+        torch.manual_seed(3)
+        with torch.no_grad():  # the drift an earlier part of the run left behind
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        model.train()
+        stats = policy_updates(model=model, optimizer=build_optimizer(model, config.optimizer), batches=batches,
+                               config=config, reference_model=reference)
+        total = 0.0
+        with torch.no_grad():
+            for batch in batches:
+                policy = segment_logprobs(model, batch, temperature=1.0, routing_replay=False)
+                anchor = segment_logprobs(starting_policy, batch, temperature=1.0, routing_replay=False)
+                gap = torch.where(batch.loss_mask.bool(), anchor - policy, 0.0)
+                total += float((gap.exp() - gap - 1).sum())
+        return total, stats
+
+    free_kl, free_stats = kl_after_update(0.0)
+    anchored_kl, anchored_stats = kl_after_update(0.9)
+    assert free_stats["kl_to_reference"] is None and anchored_stats["kl_to_reference"] > 0
+    assert anchored_kl < free_kl, (anchored_kl, free_kl)
+    config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2,
+                      grpo=GRPOConfig(kl_coef=0.1))
+    model, _, _ = load_checkpoint(checkpoint)
+    with pytest.raises(ValueError, match="pass reference_model=reference_model_load"):
+        policy_updates(model=model, optimizer=build_optimizer(model, config.optimizer), batches=batches, config=config)
 
 
 def test_rl_loop_end_to_end_with_resume(checkpoint, tmp_path):

@@ -136,6 +136,10 @@ class AsyncRLConfig:
     entropy_scope: str = "all"
     """Rollouts the entropy term covers: "all" trained ones, or "positive" (only those that beat their
     group, so sharpening does not lock in wrong choices; training.train.grpo.GRPOConfig.entropy_scope)."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL penalty to init_checkpoint's policy (training.train.grpo.GRPOConfig.kl_coef):
+    0 leaves it out; > 0 keeps the policy near where it started, at the cost of a second model in the learner
+    and one more forward pass per update."""
     updates_per_step: int = 1
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
@@ -194,6 +198,7 @@ class AsyncRLConfig:
             negative_advantage_weight=self.negative_advantage_weight,
             entropy_coef=self.entropy_coef,
             entropy_scope=self.entropy_scope,
+            kl_coef=self.kl_coef,
         )
         if problem:
             raise AsyncRLConfigError(problem.removesuffix("."))
@@ -569,7 +574,13 @@ def run_async_rl(
     from training.checkpoint import load_checkpoint
     from training.train.grpo import GRPOConfig
     from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
-    from training.train.rl import RLConfig, policy_updates, rollout_advantages, segments_to_batches
+    from training.train.rl import (
+        RLConfig,
+        policy_updates,
+        reference_model_load,
+        rollout_advantages,
+        segments_to_batches,
+    )
     from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
 
     run_dir = Path(config.run_dir)
@@ -615,11 +626,13 @@ def run_async_rl(
             negative_advantage_weight=config.negative_advantage_weight,
             entropy_coef=config.entropy_coef,
             entropy_scope=config.entropy_scope,
+            kl_coef=config.kl_coef,
         ),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
         optimizer=optimizer_config,
     )
+    reference_model = reference_model_load(update_config)
 
     owns_ray = not ray.is_initialized()
     if owns_ray:
@@ -706,7 +719,9 @@ def run_async_rl(
             merge_turns=update_config.grpo.normalization == "token",
         )
         lr_used = lr_schedule.get_last_lr()[0]
-        update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=update_config)
+        update_stats = policy_updates(
+            model=model, optimizer=optimizer, batches=batches, config=update_config, reference_model=reference_model
+        )
         # The schedule follows the policy version even when this update trained nothing (a group that
         # all passed or all failed has no advantage): `steps` counts versions, and a schedule that
         # waited for trained updates would still be short of its decay when the run ends (40 % of a
@@ -768,7 +783,7 @@ def run_async_rl(
             **{
                 key: value
                 for key, value in update_stats.items()
-                if key in ("loss", "clip_fraction", "approx_kl", "entropy")
+                if key in ("loss", "clip_fraction", "approx_kl", "entropy", "kl_to_reference")
             },
         }
         rollout_rows = []

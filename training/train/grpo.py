@@ -8,14 +8,19 @@ The objective, per token t of rollout i in group g (one group = several rollouts
     A_i      = r_i - mean_{j in g, valid} r_j            (optionally / (std_{j in g, valid} r_j + eps))
     ratio_it = exp(logp_theta(y_it) - logp_behaviour(y_it))
     L_it     = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i) - entropy_coef * H_it
+               + kl_coef * (exp(d_it) - d_it - 1),   d_it = logp_ref(y_it) - logp_theta(y_it)
     loss     = sum_{i,t} mask_it * L_it / sum_{i,t} mask_it          (token-level normalisation)
 
 where H_it is the entropy of the current policy's next-token distribution at that position (at the
 rollout temperature); entropy_coef defaults to 0, and entropy_scope="positive" keeps the term only on
-rollouts with A_i > 0.
+rollouts with A_i > 0. The last term is the penalty to a frozen reference policy (the checkpoint the run
+started from) with the GRPO paper's unbiased, non-negative "k3" estimator of KL(theta || ref) on the
+sampled tokens; kl_coef defaults to 0.
 
 How this differs from the GRPO paper (Shao et al., 2024, DeepSeekMath):
-- no KL penalty to a reference model (as in DAPO / Dr. GRPO); the clip keeps updates local;
+- the KL penalty to the reference model is off by default (as in DAPO / Dr. GRPO; the clip keeps each
+  update local) and optional (kl_coef > 0, the paper's form) to keep a long run near its starting
+  policy; the paper's reference is also the starting (SFT) policy;
 - asymmetric "clip-higher" bounds (DAPO) so low-probability tokens can still be promoted;
 - token-level normalisation over the whole batch instead of per-sequence means, so long rollouts
   are not down-weighted per token (DAPO); "sequence" normalisation is kept as an option;
@@ -145,6 +150,12 @@ class GRPOConfig:
     their group's mean, so entropy minimisation sharpens the policy where its choices were right instead of
     also locking in the wrong ones (at "all", -0.5 turned 10 held-out tasks to 0 of 4; BENCHMARKS.md, stop 23)."""
 
+    kl_coef: float = 0.0
+    """Weight of the per-token KL penalty to the reference policy (the run's starting checkpoint). 0 leaves it
+    out and needs no reference model; > 0 pulls the policy back towards its start, which keeps what the
+    starting policy could already do (e.g. tasks it solved that no training group rewards), at the price of
+    one more forward pass per update. GRPO (Shao et al., 2024) used 0.04."""
+
     def __post_init__(self) -> None:
         if isinstance(self.length_penalty, dict):
             self.length_penalty = LengthPenaltyConfig(**self.length_penalty)
@@ -165,6 +176,7 @@ class GRPOConfig:
             negative_advantage_weight=self.negative_advantage_weight,
             entropy_coef=self.entropy_coef,
             entropy_scope=self.entropy_scope,
+            kl_coef=self.kl_coef,
         )
         if problem:
             raise GRPOConfigError(problem)
@@ -277,6 +289,9 @@ class PolicyLossOutput:
     n_tokens: int
     """Valid tokens that contributed to the loss."""
 
+    kl_to_reference: float | None = None
+    """Mean k3 estimate of KL(current || reference) over valid tokens; None when no reference logprobs were given."""
+
 
 def policy_loss(
     *,
@@ -287,6 +302,7 @@ def policy_loss(
     config: GRPOConfig,
     token_normalizer: float | None = None,
     entropies: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss.
 
@@ -297,6 +313,8 @@ def policy_loss(
     denominator of "token" normalisation (the valid-token count of the whole optimizer batch when it
     is split into micro-batches or across data-parallel ranks). entropies: [B, T] the current policy's
     next-token entropy at each position (with grad), required when config.entropy_coef is not 0.
+    reference_logprobs: [B, T] the sampled tokens' logprobs under the reference policy (no grad),
+    required when config.kl_coef is not 0.
     """
     if logprobs.shape != behaviour_logprobs.shape or logprobs.shape != loss_mask.shape:
         raise ValueError(
@@ -309,6 +327,15 @@ def policy_loss(
         raise ValueError(f"entropies {tuple(entropies.shape)} must be [batch, tokens] like logprobs.")
     if config.entropy_coef != 0 and entropies is None:
         raise ValueError("config.entropy_coef is not 0 but no entropies were given; pass the policy's entropies.")
+    if reference_logprobs is not None and reference_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"reference_logprobs {tuple(reference_logprobs.shape)} must be [batch, tokens] like logprobs."
+        )
+    if config.kl_coef != 0 and reference_logprobs is None:
+        raise ValueError(
+            "config.kl_coef is not 0 but no reference_logprobs were given; pass the reference policy's logprobs "
+            "of the sampled tokens."
+        )
     mask = loss_mask.to(logprobs.dtype)
     # where() rather than multiplication: padding may hold NaN/inf behaviour logprobs.
     log_ratio = torch.where(loss_mask.bool(), logprobs - behaviour_logprobs.to(logprobs.dtype), 0.0)
@@ -325,6 +352,14 @@ def policy_loss(
         if config.entropy_scope == "positive":
             entropy_mask = entropy_mask & (adv > 0)
         per_token = per_token - config.entropy_coef * torch.where(entropy_mask, entropies, 0.0)
+    kl_per_token = None
+    if reference_logprobs is not None:
+        # k3 = r - log r - 1 with r = p_ref / p_theta: unbiased for KL(theta || ref) on tokens sampled from
+        # theta and never negative. where() first: padding may hold NaN/inf reference logprobs.
+        ref_gap = torch.where(loss_mask.bool(), reference_logprobs.to(logprobs.dtype) - logprobs, 0.0)
+        kl_per_token = ref_gap.exp() - ref_gap - 1
+        if config.kl_coef != 0:
+            per_token = per_token + config.kl_coef * torch.where(loss_mask.bool(), kl_per_token, 0.0)
 
     n_tokens = int(mask.sum().item())
     if config.normalization == "token":
@@ -351,9 +386,12 @@ def policy_loss(
         mean_entropy = None
         if entropies is not None:
             mean_entropy = entropies[valid].mean().item() if n_tokens else 0.0
+        kl_to_reference = None
+        if kl_per_token is not None:
+            kl_to_reference = kl_per_token[valid].mean().item() if n_tokens else 0.0
     return PolicyLossOutput(
         loss=loss, clip_fraction=clip_fraction, mean_ratio=mean_ratio, approx_kl=approx_kl,
-        entropy=mean_entropy, n_tokens=n_tokens,
+        entropy=mean_entropy, n_tokens=n_tokens, kl_to_reference=kl_to_reference,
     )
 
 

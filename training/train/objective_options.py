@@ -15,7 +15,7 @@ ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
 
 
 def objective_options_problem(
-    *, negative_advantage_weight: float, entropy_coef: float, entropy_scope: str
+    *, negative_advantage_weight: float, entropy_coef: float, entropy_scope: str, kl_coef: float
 ) -> str | None:
     """The first thing wrong with these options, as a message that says how to fix it; None if they are valid."""
     if not 0 <= negative_advantage_weight <= 1:
@@ -33,5 +33,11 @@ def objective_options_problem(
         return (
             f"entropy_scope={entropy_scope!r}; use 'all' (every trained rollout) or 'positive' (only rollouts "
             "that beat their group)."
+        )
+    if not 0 <= kl_coef < 1:
+        return (
+            f"kl_coef={kl_coef} must lie in [0, 1): 0 leaves the penalty to the starting policy out; a positive "
+            "weight pulls the policy back towards it. The penalty is per sampled token, so a weight of 1 or more "
+            "would outweigh any advantage (rewards differ by at most 1); GRPO used 0.04."
         )
     return None

@@ -333,6 +333,7 @@ def rl(
     # 1. The policy (trained copy), its optimizer, and the serving copy that generates rollouts.
     model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
     model.train()
+    reference_model = reference_model_load(config)
     optimizer = build_optimizer(model, config.optimizer)
     scheduler = build_scheduler(optimizer, config.optimizer, total_steps=config.steps)
     start_step = 0
@@ -381,7 +382,9 @@ def rl(
             # 5. Clipped policy-gradient updates against the behaviour logprobs.
             train_started = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            update_stats = policy_updates(model=model, optimizer=optimizer, batches=batches, config=config)
+            update_stats = policy_updates(
+                model=model, optimizer=optimizer, batches=batches, config=config, reference_model=reference_model
+            )
             if update_stats["trained_tokens"]:
                 scheduler.step()  # the schedule counts steps that updated the weights
             with torch.no_grad():
@@ -430,27 +433,61 @@ def rl(
     return history
 
 
+def reference_model_load(config: RLConfig) -> MoETransformer | None:
+    """The frozen starting policy the KL penalty pulls towards, or None when config.grpo.kl_coef is 0.
+
+    Loaded from init_checkpoint, never from the run's latest checkpoint, so a resumed run keeps the same
+    reference.
+    """
+    if config.grpo.kl_coef == 0:
+        return None
+    reference, _, _ = load_checkpoint(config.init_checkpoint)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
 def policy_updates(
-    *, model: MoETransformer, optimizer: torch.optim.Optimizer, batches: list[TrainingSegments], config: RLConfig
+    *,
+    model: MoETransformer,
+    optimizer: torch.optim.Optimizer,
+    batches: list[TrainingSegments],
+    config: RLConfig,
+    reference_model: MoETransformer | None = None,
 ) -> dict[str, Any]:
-    """updates_per_step clipped policy-gradient steps on the batch; returns the logged statistics."""
+    """updates_per_step clipped policy-gradient steps on the batch; returns the logged statistics.
+
+    reference_model (from reference_model_load) is required when config.grpo.kl_coef is not 0.
+    """
+    if config.grpo.kl_coef != 0 and reference_model is None:
+        raise ValueError("config.grpo.kl_coef is not 0: pass reference_model=reference_model_load(config).")
     total_tokens = float(sum(batch.loss_mask.sum() for batch in batches))
     stats: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0, "approx_kl": 0.0, "entropy": None,
-                             "logprob_mismatch": None, "grad_norm": 0.0, "trained_tokens": int(total_tokens)}
+                             "kl_to_reference": None, "logprob_mismatch": None, "grad_norm": 0.0,
+                             "trained_tokens": int(total_tokens)}
     if total_tokens == 0:
         # No rollout carries signal (all masked, or every group scored uniformly). Taking an Adam
         # step on a zero gradient would still move the weights along the stale momentum, so skip it.
         return stats
+    reference_logprobs: list[torch.Tensor | None] = [None] * len(batches)
+    if reference_model is not None:
+        with torch.no_grad():
+            # The reference routes tokens itself: the recorded routing is the behaviour policy's, not its own.
+            reference_logprobs = [
+                segment_logprobs(reference_model, batch, temperature=config.temperature, routing_replay=False)
+                for batch in batches
+            ]
     for update in range(config.updates_per_step):
         weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "entropy": 0.0,
-                    "mismatch": 0.0}
-        for batch in batches:
+                    "kl_to_reference": 0.0, "mismatch": 0.0}
+        for batch, batch_reference_logprobs in zip(batches, reference_logprobs, strict=True):
             logprobs, entropies = segment_logprobs_and_entropy(
                 model, batch, temperature=config.temperature, routing_replay=config.routing_replay
             )
             out = policy_loss(
                 logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs, advantages=batch.advantages,
                 loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens, entropies=entropies,
+                reference_logprobs=batch_reference_logprobs,
             )
             out.loss.backward()
             share = out.n_tokens / total_tokens
@@ -459,6 +496,8 @@ def policy_updates(
             weighted["mean_ratio"] += out.mean_ratio * share
             weighted["approx_kl"] += out.approx_kl * share
             weighted["entropy"] += out.entropy * share
+            if out.kl_to_reference is not None:
+                weighted["kl_to_reference"] += out.kl_to_reference * share
             mask = batch.loss_mask.bool()
             weighted["mismatch"] += float((logprobs.detach() - batch.behaviour_logprobs)[mask].abs().sum()) / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip or float("inf"))
@@ -470,7 +509,8 @@ def policy_updates(
             stats["logprob_mismatch"] = weighted["mismatch"]
         stats.update(loss=weighted["loss"], clip_fraction=weighted["clip_fraction"],
                      mean_ratio=weighted["mean_ratio"], approx_kl=weighted["approx_kl"],
-                     entropy=weighted["entropy"], grad_norm=float(grad_norm))
+                     entropy=weighted["entropy"], grad_norm=float(grad_norm),
+                     kl_to_reference=weighted["kl_to_reference"] if reference_model is not None else None)
     return stats
 
 

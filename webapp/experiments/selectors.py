@@ -26,6 +26,7 @@ DASHBOARD_SERIES = (
     ("parallel_call_share", "Share of turns with parallel calls"),
     ("staleness_mean", "Staleness (mean policy lag)"),
     ("entropy", "Policy entropy (nats per trained token)"),
+    ("kl_to_reference", "KL to the starting policy (nats per trained token; with kl_coef > 0)"),
     ("rollouts_per_s", "Rollouts / s"),
     ("worker_utilization", "Worker utilisation"),
 )
