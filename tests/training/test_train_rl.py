@@ -96,17 +96,22 @@ def test_infrastructure_failure_is_masked_not_scored_zero(checkpoint, rollouts):
         good.reward = 0.0
 
 
+def _batches_with_first_rollout_rewarded(good, bad):
+    """Training batches of one group in which `good` passed and `bad` did not (the records are left unchanged)."""
+    good.reward = 1.0
+    try:
+        advantages = rollout_advantages([good, bad], GRPOConfig())
+        return segments_to_batches(records=[good, bad], advantages=advantages, micro_batch_size=1, pad_id=0,
+                                   with_routing=True)
+    finally:
+        good.reward = 0.0
+
+
 def test_grpo_update_moves_probability_towards_the_better_rollout(checkpoint, rollouts):
     model, _, _ = load_checkpoint(checkpoint)
     model.train()
     good, bad = rollouts[0], rollouts[1]
-    good.reward = 1.0
-    try:
-        advantages = rollout_advantages([good, bad], GRPOConfig())
-        batches = segments_to_batches(records=[good, bad], advantages=advantages, micro_batch_size=1, pad_id=0,
-                                      with_routing=True)
-    finally:
-        good.reward = 0.0
+    batches = _batches_with_first_rollout_rewarded(good, bad)
     config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2,
                       updates_per_step=2, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, weight_decay=0.0))
 
@@ -127,14 +132,7 @@ def test_grpo_update_moves_probability_towards_the_better_rollout(checkpoint, ro
 
 def test_kl_penalty_keeps_the_update_nearer_the_reference_policy(checkpoint, rollouts):
     """The same GRPO step from a policy that has drifted, with and without the penalty to its starting point."""
-    good, bad = rollouts[0], rollouts[1]
-    good.reward = 1.0
-    try:
-        advantages = rollout_advantages([good, bad], GRPOConfig())
-        batches = segments_to_batches(records=[good, bad], advantages=advantages, micro_batch_size=1, pad_id=0,
-                                      with_routing=True)
-    finally:
-        good.reward = 0.0
+    batches = _batches_with_first_rollout_rewarded(rollouts[0], rollouts[1])
 
     def kl_after_update(kl_coef: float) -> tuple[float, dict]:
         config = RLConfig(run_dir="unused", init_checkpoint=str(checkpoint), tasks=1, tasks_per_step=1, group_size=2,
