@@ -355,11 +355,12 @@ def policy_loss(
     kl_per_token = None
     if reference_logprobs is not None:
         # k3 = r - log r - 1 with r = p_ref / p_theta: unbiased for KL(theta || ref) on tokens sampled from
-        # theta and never negative. where() first: padding may hold NaN/inf reference logprobs.
+        # theta and never negative. where() first: padding may hold NaN/inf reference logprobs, and a gap of 0
+        # makes the term exactly 0 off the mask.
         ref_gap = torch.where(loss_mask.bool(), reference_logprobs.to(logprobs.dtype) - logprobs, 0.0)
         kl_per_token = ref_gap.exp() - ref_gap - 1
         if config.kl_coef != 0:
-            per_token = per_token + config.kl_coef * torch.where(loss_mask.bool(), kl_per_token, 0.0)
+            per_token = per_token + config.kl_coef * kl_per_token
 
     n_tokens = int(mask.sum().item())
     if config.normalization == "token":
