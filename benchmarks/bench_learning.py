@@ -126,6 +126,8 @@ def main() -> None:
                         help="rollouts the entropy term covers: all trained ones, or only those that beat their group")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="weight of the per-token KL penalty to the --init-checkpoint policy (0 = none)")
+    parser.add_argument("--normalize-advantage-std", action="store_true",
+                        help="divide each group's centred rewards by its standard deviation (the GRPO paper's form)")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -203,6 +205,7 @@ def main() -> None:
         entropy_coef=args.entropy_coef,
         entropy_scope=args.entropy_scope,
         kl_coef=args.kl_coef,
+        normalize_advantage_std=args.normalize_advantage_std,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,

@@ -136,6 +136,10 @@ class AsyncRLConfig:
     entropy_scope: str = "all"
     """Rollouts the entropy term covers: "all" trained ones, or "positive" (only those that beat their
     group, so sharpening does not lock in wrong choices; training.train.grpo.GRPOConfig.entropy_scope)."""
+    normalize_advantage_std: bool = False
+    """Divide each group's centred rewards by the group's reward standard deviation, as the GRPO paper does
+    (training.train.grpo.GRPOConfig.normalize_advantage_std): a rare success in a group of 16 then weighs ~4
+    times a success in an even group instead of ~2 times, so hard tasks' rare wins count for more."""
     kl_coef: float = 0.0
     """Weight of the per-token KL penalty to init_checkpoint's policy (training.train.grpo.GRPOConfig.kl_coef):
     0 leaves it out; > 0 keeps the policy near where it started, at the cost of a second model in the learner
@@ -627,6 +631,7 @@ def run_async_rl(
             entropy_coef=config.entropy_coef,
             entropy_scope=config.entropy_scope,
             kl_coef=config.kl_coef,
+            normalize_advantage_std=config.normalize_advantage_std,
         ),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
