@@ -91,6 +91,33 @@ def test_rollouts_run_on_fleet_sandbox_hosts_and_the_lr_schedule_follows_version
     assert [row["lr"] for row in metrics] == pytest.approx([1e-3, 0.775e-3, 0.325e-3])
 
 
+def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):
+    """Every objective option of the run reaches the trainer's update, and std-normalisation changes the
+    advantages it computes: one success in a group of 16 is worth (15/16) / 0.25 = 3.75 instead of 15/16."""
+    from training.rollout.driver import update_config_for
+    from training.train.loop import OptimizerConfig
+    from training.train.rl import rollout_advantages
+    from training.train.rollouts import RolloutRecord
+
+    options = dict(
+        negative_advantage_weight=0.5, entropy_coef=-0.5, entropy_scope="positive", kl_coef=0.05,
+        normalize_advantage_std=True,
+    )
+    config = AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=16, **options)
+    update = update_config_for(config, run_dir=tmp_path, optimizer_config=OptimizerConfig(lr=config.lr))
+    assert {name: getattr(update.grpo, name) for name in options} == options
+    records = [
+        RolloutRecord(task_id="t", group=0, valid=True, reward=float(index == 0), passed=index == 0)
+        for index in range(16)
+    ]
+    std_normalised = rollout_advantages(records, update.grpo)
+    assert std_normalised[0].item() == pytest.approx(3.75, rel=1e-4)  # eps 1e-6 joins the std
+    assert std_normalised[1].item() == pytest.approx(-0.25 * 0.5, rel=1e-4)  # (-1/16) / 0.25, times the negative weight
+    plain = AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=16)
+    plain_update = update_config_for(plain, run_dir=tmp_path, optimizer_config=OptimizerConfig(lr=plain.lr))
+    assert rollout_advantages(records, plain_update.grpo)[0].item() == pytest.approx(15 / 16)
+
+
 def test_validating_a_launch_config_does_not_import_torch(tmp_path):
     """The web process validates launch forms with AsyncRLConfig; the objective checks it shares with
     GRPOConfig must not drag torch (seconds of import, hundreds of MB) into it."""

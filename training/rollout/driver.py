@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.rollout.scheduler import (
     RolloutRequest,
@@ -44,6 +44,10 @@ from training.rollout.scheduler import (
     SchedulerConfigError,
 )
 from training.train.objective_options import objective_options_problem
+
+if TYPE_CHECKING:  # torch-free at import time: the web process validates launch configs with this module
+    from training.train.loop import OptimizerConfig
+    from training.train.rl import RLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -564,6 +568,34 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def update_config_for(config: AsyncRLConfig, *, run_dir: Path, optimizer_config: OptimizerConfig) -> RLConfig:
+    """The RLConfig the trainer's update reads its loss settings from, matching this run's."""
+    from training.train.grpo import GRPOConfig
+    from training.train.rl import RLConfig
+
+    return RLConfig(
+        run_dir=str(run_dir),
+        init_checkpoint=config.init_checkpoint,
+        tasks=config.tasks,
+        tasks_per_step=min(config.groups_per_step, config.tasks),
+        group_size=config.group_size,
+        steps=config.steps,
+        updates_per_step=config.updates_per_step,
+        temperature=config.temperature,
+        routing_replay=True,
+        grpo=GRPOConfig(
+            negative_advantage_weight=config.negative_advantage_weight,
+            entropy_coef=config.entropy_coef,
+            entropy_scope=config.entropy_scope,
+            kl_coef=config.kl_coef,
+            normalize_advantage_std=config.normalize_advantage_std,
+        ),
+        max_turns=config.max_turns,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+        optimizer=optimizer_config,
+    )
+
+
 def run_async_rl(
     config: AsyncRLConfig,
     *,
@@ -576,10 +608,8 @@ def run_async_rl(
     import torch
 
     from training.checkpoint import load_checkpoint
-    from training.train.grpo import GRPOConfig
     from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
     from training.train.rl import (
-        RLConfig,
         policy_updates,
         reference_model_load,
         rollout_advantages,
@@ -615,28 +645,7 @@ def run_async_rl(
         _truncate_jsonl(run_dir / name, max_step=state.version)
     if state.version >= config.steps:
         return []
-    # The trainer's update reads its loss settings from an RLConfig; build one that matches ours.
-    update_config = RLConfig(
-        run_dir=str(run_dir),
-        init_checkpoint=config.init_checkpoint,
-        tasks=config.tasks,
-        tasks_per_step=min(config.groups_per_step, config.tasks),
-        group_size=config.group_size,
-        steps=config.steps,
-        updates_per_step=config.updates_per_step,
-        temperature=config.temperature,
-        routing_replay=True,
-        grpo=GRPOConfig(
-            negative_advantage_weight=config.negative_advantage_weight,
-            entropy_coef=config.entropy_coef,
-            entropy_scope=config.entropy_scope,
-            kl_coef=config.kl_coef,
-            normalize_advantage_std=config.normalize_advantage_std,
-        ),
-        max_turns=config.max_turns,
-        max_tokens_per_turn=config.max_tokens_per_turn,
-        optimizer=optimizer_config,
-    )
+    update_config = update_config_for(config, run_dir=run_dir, optimizer_config=optimizer_config)
     reference_model = reference_model_load(update_config)
 
     owns_ray = not ray.is_initialized()
