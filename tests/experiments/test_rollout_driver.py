@@ -95,7 +95,6 @@ def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):
     """Every objective option of the run reaches the trainer's update, and std-normalisation changes the
     advantages it computes: one success in a group of 16 is worth (15/16) / 0.25 = 3.75 instead of 15/16."""
     from training.rollout.driver import update_config_for
-    from training.train.loop import OptimizerConfig
     from training.train.rl import rollout_advantages
     from training.train.rollouts import RolloutRecord
 
@@ -104,7 +103,7 @@ def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):
         normalize_advantage_std=True,
     )
     config = AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=16, **options)
-    update = update_config_for(config, run_dir=tmp_path, optimizer_config=OptimizerConfig(lr=config.lr))
+    update = update_config_for(config)
     assert {name: getattr(update.grpo, name) for name in options} == options
     records = [
         RolloutRecord(task_id="t", group=0, valid=True, reward=float(index == 0), passed=index == 0)
@@ -114,7 +113,7 @@ def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):
     assert std_normalised[0].item() == pytest.approx(3.75, rel=1e-4)  # eps 1e-6 joins the std
     assert std_normalised[1].item() == pytest.approx(-0.25 * 0.5, rel=1e-4)  # (-1/16) / 0.25, times the negative weight
     plain = AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=16)
-    plain_update = update_config_for(plain, run_dir=tmp_path, optimizer_config=OptimizerConfig(lr=plain.lr))
+    plain_update = update_config_for(plain)
     assert rollout_advantages(records, plain_update.grpo)[0].item() == pytest.approx(15 / 16)
 
 

@@ -46,7 +46,6 @@ from training.rollout.scheduler import (
 from training.train.objective_options import objective_options_problem
 
 if TYPE_CHECKING:  # torch-free at import time: the web process validates launch configs with this module
-    from training.train.loop import OptimizerConfig
     from training.train.rl import RLConfig
 
 logger = logging.getLogger(__name__)
@@ -568,13 +567,14 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def update_config_for(config: AsyncRLConfig, *, run_dir: Path, optimizer_config: OptimizerConfig) -> RLConfig:
-    """The RLConfig the trainer's update reads its loss settings from, matching this run's."""
+def update_config_for(config: AsyncRLConfig) -> RLConfig:
+    """The RLConfig the trainer's update and optimizer read their settings from, matching this run's."""
     from training.train.grpo import GRPOConfig
+    from training.train.loop import OptimizerConfig
     from training.train.rl import RLConfig
 
     return RLConfig(
-        run_dir=str(run_dir),
+        run_dir=config.run_dir,
         init_checkpoint=config.init_checkpoint,
         tasks=config.tasks,
         tasks_per_step=min(config.groups_per_step, config.tasks),
@@ -592,7 +592,14 @@ def update_config_for(config: AsyncRLConfig, *, run_dir: Path, optimizer_config:
         ),
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
-        optimizer=optimizer_config,
+        optimizer=OptimizerConfig(
+            lr=config.lr,
+            warmup_steps=config.warmup_steps,
+            weight_decay=0.0,
+            min_lr_ratio=config.min_lr_ratio,
+            decay_fraction=config.lr_decay_fraction,
+            gain_lr_scale=config.gain_lr_scale,
+        ),
     )
 
 
@@ -608,7 +615,7 @@ def run_async_rl(
     import torch
 
     from training.checkpoint import load_checkpoint
-    from training.train.loop import OptimizerConfig, build_optimizer, build_scheduler
+    from training.train.loop import build_optimizer, build_scheduler
     from training.train.rl import (
         policy_updates,
         reference_model_load,
@@ -621,16 +628,9 @@ def run_async_rl(
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
     model.train()
-    optimizer_config = OptimizerConfig(
-        lr=config.lr,
-        warmup_steps=config.warmup_steps,
-        weight_decay=0.0,
-        min_lr_ratio=config.min_lr_ratio,
-        decay_fraction=config.lr_decay_fraction,
-        gain_lr_scale=config.gain_lr_scale,
-    )
-    optimizer = build_optimizer(model, optimizer_config)
-    lr_schedule = build_scheduler(optimizer, optimizer_config, total_steps=config.steps)
+    update_config = update_config_for(config)
+    optimizer = build_optimizer(model, update_config.optimizer)
+    lr_schedule = build_scheduler(optimizer, update_config.optimizer, total_steps=config.steps)
     state = _RunState()
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:
@@ -645,7 +645,6 @@ def run_async_rl(
         _truncate_jsonl(run_dir / name, max_step=state.version)
     if state.version >= config.steps:
         return []
-    update_config = update_config_for(config, run_dir=run_dir, optimizer_config=optimizer_config)
     reference_model = reference_model_load(update_config)
 
     owns_ray = not ray.is_initialized()
