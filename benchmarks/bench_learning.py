@@ -38,7 +38,7 @@ from training.train.state import latest_checkpoint
 def evaluate(checkpoint: str, args: argparse.Namespace, disable_tools: tuple[str, ...] = ()) -> dict:
     config = BenchConfig(
         disable_tools=disable_tools,
-        suite=f"toy-heldout-{args.heldout}",
+        suite=f"toy-{args.split}-{args.heldout}",
         policy=f"checkpoint:{checkpoint}",
         attempts=args.attempts,
         max_turns=args.max_turns,
@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--run-dir", default="var/runs/learning")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall-clock budget")
     parser.add_argument("--heldout", type=int, default=100, help="held-out toy tasks evaluated")
+    parser.add_argument("--split", choices=("heldout", "validation"), default="heldout",
+                        help="with --evaluate-only: 'validation' evaluates on toy-validation-N, held-out-split tasks "
+                             "that toy-heldout-N never holds, to choose among checkpoints without touching the test")
     parser.add_argument("--attempts", type=int, default=4, help="attempts per held-out task")
     parser.add_argument("--tasks", type=int, default=256, help="training task pool")
     parser.add_argument("--group-size", type=int, default=4)
@@ -158,6 +161,8 @@ def main() -> None:
         )
         return
 
+    if args.split != "heldout" and not args.evaluate_only:
+        parser.error("--split validation needs --evaluate-only: a learning run's before/after is the held-out test")
     if not args.evaluate_only and args.heldout < 2:
         # Said now rather than after the training budget: the before/after comparison is a paired interval.
         parser.error(f"--heldout {args.heldout}: the paired interval of the gain needs at least 2 held-out tasks")

@@ -246,6 +246,22 @@ def test_bench_command_stores_result_on_leaderboard(client, owner, outsider, sta
         call_command("bench", suite="nope", policy="scripted", owner=owner.username)
 
 
+def test_the_validation_suite_shares_no_task_with_any_heldout_suite():
+    from training.bench.runner import MAX_SUITE_TASKS, BenchConfigError, suite_tasks, suite_tasks_count
+
+    validation = suite_tasks("toy-validation-3")
+    assert [task.split for task in validation] == ["heldout"] * 3
+    largest_heldout_suite = {task.task_id for task in suite_tasks("toy-heldout-3")}
+    # toy-heldout-N takes the first N held-out tasks; the largest allowed N ends where validation begins.
+    assert not largest_heldout_suite & {task.task_id for task in validation}
+    first_seed = int(validation[0].task_id.removeprefix("toy-"))
+    last_heldout_seed = int(suite_tasks("toy-heldout-1")[0].task_id.removeprefix("toy-")) + MAX_SUITE_TASKS - 1
+    assert first_seed > last_heldout_seed
+    assert suite_tasks_count("toy-validation-50") == ("validation", 50)
+    with pytest.raises(BenchConfigError, match="toy-validation-N"):
+        suite_tasks_count("toy-valid-5")
+
+
 def test_pass_at_k_and_wilson_interval():
     from training.bench.runner import pass_at_k, wilson_interval
 

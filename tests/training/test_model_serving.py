@@ -14,6 +14,7 @@ import torch
 from training.chat_format import render_assistant_completion, render_messages
 from training.checkpoint import (
     CheckpointError,
+    average_checkpoints,
     create_random_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
@@ -72,6 +73,23 @@ def test_random_checkpoints_are_reproducible_and_tied(tmp_path):
     assert not torch.equal(first.embed.weight, other.embed.weight)
     assert first.output.weight is first.embed.weight
     assert read_checkpoint_config(tmp_path / "a")[1] == {"source": "random", "size": "tiny", "seed": 3}
+
+
+def test_averaged_checkpoint_holds_the_mean_of_the_weights(tmp_path):
+    sources = [create_random_checkpoint(tmp_path / name, seed=seed) for name, seed in (("a", 3), ("b", 4), ("c", 5))]
+    models = [load_checkpoint(source)[0] for source in sources]
+    average = average_checkpoints(sources=sources, output=tmp_path / "mean")
+    averaged, tokenizer, meta = load_checkpoint(average)
+    assert meta == {"source": "average", "averaged": [str(source) for source in sources]}
+    for name, tensor in averaged.state_dict().items():
+        expected = sum(model.state_dict()[name] for model in models) / 3
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=name)
+    assert averaged.output.weight is averaged.embed.weight
+    with pytest.raises(CheckpointError, match="at least two"):
+        average_checkpoints(sources=sources[:1], output=tmp_path / "one")
+    create_random_checkpoint(tmp_path / "deeper", seed=3, n_layers=3)
+    with pytest.raises(CheckpointError, match="another model config"):
+        average_checkpoints(sources=[sources[0], tmp_path / "deeper"], output=tmp_path / "mixed")
 
 
 def test_broken_checkpoints_fail_clearly(tmp_path):

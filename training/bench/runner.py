@@ -26,7 +26,11 @@ from dataclasses import asdict, dataclass, field
 
 from training.tasks.base import CodingTask
 
-_SUITE = re.compile(r"^toy-(?P<split>train|heldout)-(?P<count>\d+)$")
+_SUITE = re.compile(r"^toy-(?P<split>train|heldout|validation)-(?P<count>\d+)$")
+MAX_SUITE_TASKS = 10_000
+VALIDATION_START = MAX_SUITE_TASKS
+"""toy-validation-N takes held-out-split tasks from this index on, past the last task any toy-heldout-N can hold:
+choosing among checkpoints on it leaves the held-out suite an unbiased test."""
 
 
 class BenchConfigError(ValueError):
@@ -38,7 +42,8 @@ class BenchConfig:
     """What to evaluate, on which suite, how many times."""
 
     suite: str
-    """Task suite: "toy-heldout-N" (held-out toy tasks) or "toy-train-N"."""
+    """Task suite: "toy-heldout-N" (held-out toy tasks), "toy-validation-N" (held-out-split tasks that no
+    toy-heldout-N contains, for choosing among checkpoints) or "toy-train-N"."""
     policy: str
     """"scripted", "checkpoint:PATH" or "openai:MODEL@BASE_URL"."""
     attempts: int = 1
@@ -101,10 +106,12 @@ class BenchConfig:
 def suite_tasks_count(suite: str) -> tuple[str, int]:
     match = _SUITE.match(suite)
     if not match:
-        raise BenchConfigError(f"unknown suite {suite!r}; use toy-heldout-N or toy-train-N (N tasks)")
+        raise BenchConfigError(
+            f"unknown suite {suite!r}; use toy-heldout-N, toy-validation-N or toy-train-N (N tasks)"
+        )
     count = int(match.group("count"))
-    if not 1 <= count <= 10_000:
-        raise BenchConfigError("a suite holds between 1 and 10000 tasks")
+    if not 1 <= count <= MAX_SUITE_TASKS:
+        raise BenchConfigError(f"a suite holds between 1 and {MAX_SUITE_TASKS} tasks")
     return match.group("split"), count
 
 
@@ -112,7 +119,11 @@ def suite_tasks(suite: str) -> list[CodingTask]:
     from training.tasks.toy import generate_toy_task, toy_task_seeds
 
     split, count = suite_tasks_count(suite)
-    return [generate_toy_task(seed) for seed in toy_task_seeds(split=split, count=count)]
+    if split == "validation":
+        seeds = toy_task_seeds(split="heldout", count=count, start=VALIDATION_START)
+    else:
+        seeds = toy_task_seeds(split=split, count=count)
+    return [generate_toy_task(seed) for seed in seeds]
 
 
 def pass_at_k(*, n: int, c: int, k: int) -> float:

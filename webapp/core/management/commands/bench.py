@@ -21,7 +21,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--suite", required=True, help="toy-heldout-N or toy-train-N")
+        parser.add_argument("--suite", required=True, help="toy-heldout-N, toy-validation-N or toy-train-N")
         parser.add_argument(
             "--policy",
             required=True,
