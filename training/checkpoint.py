@@ -110,21 +110,18 @@ def average_checkpoints(*, sources: list[str | Path], output: str | Path) -> Pat
     `output`: averaging the last checkpoints of a run smooths the noise of its final updates."""
     if len(sources) < 2:
         raise CheckpointError(f"averaging needs at least two checkpoints, got {len(sources)}")
-    first_config, _ = read_checkpoint_config(sources[0])
-    first_tokenizer = (Path(sources[0]) / TOKENIZER_FILE).read_text()
-    total: dict[str, torch.Tensor] = {}
-    model = None
-    for source in sources:
-        config, _ = read_checkpoint_config(source)
-        if config != first_config:
+    model, tokenizer, _ = load_checkpoint(sources[0])
+    weights = model.state_dict()
+    total = {name: tensor.to(torch.float64) for name, tensor in weights.items()}
+    for source in sources[1:]:
+        other, other_tokenizer, _ = load_checkpoint(source)
+        if other.config != model.config:
             raise CheckpointError(f"{source} has another model config than {sources[0]}; average one run's checkpoints")
-        if (Path(source) / TOKENIZER_FILE).read_text() != first_tokenizer:
+        if other_tokenizer.to_json() != tokenizer.to_json():
             raise CheckpointError(f"{source} has another tokenizer than {sources[0]}; average one run's checkpoints")
-        model, tokenizer, _ = load_checkpoint(source)
-        for name, tensor in model.state_dict().items():
-            total[name] = total.get(name, 0) + tensor.to(torch.float64)
-    assert model is not None
-    model.load_state_dict({name: (value / len(sources)).to(model.state_dict()[name].dtype) for name, value in total.items()})
+        for name, tensor in other.state_dict().items():
+            total[name] += tensor.to(torch.float64)
+    model.load_state_dict({name: (value / len(sources)).to(weights[name].dtype) for name, value in total.items()})
     return save_checkpoint(output, model, tokenizer, {"source": "average", "averaged": [str(path) for path in sources]})
 
 

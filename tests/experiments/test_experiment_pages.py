@@ -251,9 +251,9 @@ def test_the_validation_suite_shares_no_task_with_any_heldout_suite():
 
     validation = suite_tasks("toy-validation-3")
     assert [task.split for task in validation] == ["heldout"] * 3
-    largest_heldout_suite = {task.task_id for task in suite_tasks("toy-heldout-3")}
-    # toy-heldout-N takes the first N held-out tasks; the largest allowed N ends where validation begins.
-    assert not largest_heldout_suite & {task.task_id for task in validation}
+    heldout_suite = {task.task_id for task in suite_tasks("toy-heldout-3")}
+    assert not heldout_suite & {task.task_id for task in validation}
+    # toy-heldout-N takes the first N held-out tasks; the largest allowed N ends before validation begins.
     first_seed = int(validation[0].task_id.removeprefix("toy-"))
     last_heldout_seed = int(suite_tasks("toy-heldout-1")[0].task_id.removeprefix("toy-")) + MAX_SUITE_TASKS - 1
     assert first_seed > last_heldout_seed

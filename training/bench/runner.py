@@ -26,11 +26,13 @@ from dataclasses import asdict, dataclass, field
 
 from training.tasks.base import CodingTask
 
-_SUITE = re.compile(r"^toy-(?P<split>train|heldout|validation)-(?P<count>\d+)$")
 MAX_SUITE_TASKS = 10_000
 VALIDATION_START = MAX_SUITE_TASKS
 """toy-validation-N takes held-out-split tasks from this index on, past the last task any toy-heldout-N can hold:
 choosing among checkpoints on it leaves the held-out suite an unbiased test."""
+_SUITE_SEEDS = {"train": ("train", 0), "heldout": ("heldout", 0), "validation": ("heldout", VALIDATION_START)}
+"""Suite name -> (toy split, first task index) its tasks come from."""
+_SUITE = re.compile(rf"^toy-(?P<split>{'|'.join(_SUITE_SEEDS)})-(?P<count>\d+)$")
 
 
 class BenchConfigError(ValueError):
@@ -118,12 +120,9 @@ def suite_tasks_count(suite: str) -> tuple[str, int]:
 def suite_tasks(suite: str) -> list[CodingTask]:
     from training.tasks.toy import generate_toy_task, toy_task_seeds
 
-    split, count = suite_tasks_count(suite)
-    if split == "validation":
-        seeds = toy_task_seeds(split="heldout", count=count, start=VALIDATION_START)
-    else:
-        seeds = toy_task_seeds(split=split, count=count)
-    return [generate_toy_task(seed) for seed in seeds]
+    name, count = suite_tasks_count(suite)
+    split, start = _SUITE_SEEDS[name]
+    return [generate_toy_task(seed) for seed in toy_task_seeds(split=split, count=count, start=start)]
 
 
 def pass_at_k(*, n: int, c: int, k: int) -> float:
