@@ -131,6 +131,8 @@ def main() -> None:
                         help="weight of the per-token KL penalty to the --init-checkpoint policy (0 = none)")
     parser.add_argument("--normalize-advantage-std", action="store_true",
                         help="divide each group's centred rewards by its standard deviation (the GRPO paper's form)")
+    parser.add_argument("--expert-guidance", action="store_true",
+                        help="when no rollout of a group passed, add the scripted expert's solution to the group")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -211,6 +213,7 @@ def main() -> None:
         entropy_scope=args.entropy_scope,
         kl_coef=args.kl_coef,
         normalize_advantage_std=args.normalize_advantage_std,
+        expert_guidance=args.expert_guidance,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,

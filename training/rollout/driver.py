@@ -143,6 +143,10 @@ class AsyncRLConfig:
     """Divide each group's centred rewards by the group's reward standard deviation, as the GRPO paper does
     (training.train.grpo.GRPOConfig.normalize_advantage_std): a rare success in a group of 16 then weighs ~4
     times a success in an even group instead of ~2 times, so hard tasks' rare wins count for more."""
+    expert_guidance: bool = False
+    """When none of a group's valid rollouts passed, the scripted expert solves the task in a sandbox and its
+    trajectory joins the group as one more member, scored by the learner's own logprobs (importance ratio 1):
+    the group then carries a gradient towards the fix instead of none (training.train.guidance)."""
     kl_coef: float = 0.0
     """Weight of the per-token KL penalty to init_checkpoint's policy (training.train.grpo.GRPOConfig.kl_coef):
     0 leaves it out; > 0 keeps the policy near where it started, at the cost of a second model in the learner
@@ -414,19 +418,11 @@ class RolloutServer:
             self._fleet_snapshots[task.task_id] = snapshot
         return fleet.sandbox_create(snapshot=snapshot, limits=DEFAULT_TASK_LIMITS)
 
-    def run(
-        self, *, group_index: int, sample_index: int, rollout_id: str, inference, seed: int, fleet=None
-    ) -> dict:
-        from sandboxes.base import SandboxError
+    def _limits(self):
         from training.agent.config import AgentLimits
-        from training.agent.loop import run_agent
-        from training.tasks.reward import RewardConfig, RewardInfrastructureError, score_rollout
-        from training.train.rollouts import RolloutRecord
 
         config = self.config
-        task = task_for_group(config, group_index)
-        started = time.monotonic()
-        limits = AgentLimits(
+        return AgentLimits(
             max_turns=config.max_turns,
             max_tokens=config.max_turns * config.max_tokens_per_turn * 2,
             max_tokens_per_turn=config.max_tokens_per_turn,
@@ -435,6 +431,36 @@ class RolloutServer:
             temperature=config.temperature,
             top_p=1.0,
         )
+
+    def expert(self, *, group_index: int, fleet=None) -> dict:
+        """The scripted expert's verified solution of the group's task, run like a rollout in a sandbox.
+
+        Returns {"messages", "reward"}, or {"error"} when the expert could not solve it or a sandbox failed
+        (the group is then trained without guidance, as before).
+        """
+        from sandboxes.base import SandboxError
+        from training.tasks.reward import RewardInfrastructureError
+        from training.train.scripted_expert import ExpertTrajectoryError, expert_trajectory_run
+
+        task = task_for_group(self.config, group_index)
+        try:
+            trajectory = expert_trajectory_run(task=task, sandbox=self._sandbox(task, fleet), limits=self._limits())
+        except (ExpertTrajectoryError, RewardInfrastructureError, SandboxError, OSError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+        return {"messages": trajectory.messages, "reward": trajectory.reward, "task_id": trajectory.task_id}
+
+    def run(
+        self, *, group_index: int, sample_index: int, rollout_id: str, inference, seed: int, fleet=None
+    ) -> dict:
+        from sandboxes.base import SandboxError
+        from training.agent.loop import run_agent
+        from training.tasks.reward import RewardConfig, RewardInfrastructureError, score_rollout
+        from training.train.rollouts import RolloutRecord
+
+        config = self.config
+        task = task_for_group(config, group_index)
+        started = time.monotonic()
+        limits = self._limits()
         policy = RemoteInferencePolicy(inference, seed=seed)
         stats: dict = {"tool_calls": 0, "tool_turns": 0, "parallel_turns": 0, "tools_used": {}}
         timings = {"sandbox_s": 0.0, "agent_s": 0.0, "reward_s": 0.0}
@@ -615,6 +641,7 @@ def run_async_rl(
     import torch
 
     from training.checkpoint import load_checkpoint
+    from training.train.guidance import expert_record_create
     from training.train.loop import build_optimizer, build_scheduler
     from training.train.rl import (
         policy_updates,
@@ -722,9 +749,11 @@ def run_async_rl(
             for sample in group:
                 sample.result["record"].group = group_position
                 records.append(sample.result["record"])
-        advantages = rollout_advantages(records, update_config.grpo)
+        guides, guide_failures = expert_guides(groups) if config.expert_guidance else ([], [])
+        # Expert members come after the rollouts, so advantages[i] is still records[i]'s for the logs below.
+        advantages = rollout_advantages([*records, *guides], update_config.grpo)
         batches = segments_to_batches(
-            records=records,
+            records=[*records, *guides],
             advantages=advantages,
             micro_batch_size=1,
             pad_id=tokenizer.pad_id,
@@ -779,6 +808,8 @@ def run_async_rl(
             # Every finished rollout, abandoned probes included: what the fleet produced.
             "rollouts_per_s": state.generated_samples / wall if wall > 0 else 0.0,
             "abandoned_groups": len(abandoned),
+            "guided_groups": len(guides),
+            "guide_failures": len(guide_failures),
             "abandoned_rollouts": len(abandoned_samples),
             # pass_rate covers the trained groups only, which probing tilts towards tasks that are neither
             # always solved nor never; this one is the policy's pass rate on the tasks it was given.
@@ -826,6 +857,7 @@ def run_async_rl(
                         "tools_used": sample.result["stats"]["tools_used"],
                         "tool_calls": sample.result["stats"]["tool_calls"],
                         "group_position": group_position,
+                        "guided": any(guide.group == group_position for guide in guides),
                     }
                 )
         # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,
@@ -859,6 +891,37 @@ def run_async_rl(
         if on_step is not None:
             on_step(metrics)
         return new_version
+
+    def expert_guides(groups: list[list[RolloutSample]]) -> tuple[list, list[str]]:
+        """Expert members for the groups none of whose valid rollouts passed, and why any could not be made.
+
+        The expert runs on a rollout worker (an environment server, in the rollouts' kind of sandbox) that
+        it borrows from the dispatch queue; the learner scores its tokens with the weights this update
+        starts from.
+        """
+        guides, failures = [], []
+        for group_position, group in enumerate(groups):
+            valid = [sample.result["record"] for sample in group if sample.result["record"].valid]
+            if not valid or any(record.passed for record in valid):
+                continue
+            worker, inference = idle_workers.get()
+            try:
+                result = ray.get(worker.expert.remote(group_index=int(group[0].request.task_key), fleet=fleet))
+            except ray.exceptions.RayError as error:  # a dead worker: Ray restarts it, the group goes unguided
+                result = {"error": f"rollout worker failed: {error}"}
+            finally:
+                idle_workers.put((worker, inference))
+            if "error" in result:
+                logger.warning("no expert guidance for %s: %s", group[0].request.group_id, result["error"])
+                failures.append(result["error"])
+                continue
+            guides.append(
+                expert_record_create(
+                    task_id=result["task_id"], group=group_position, messages=result["messages"],
+                    reward=result["reward"], tokenizer=tokenizer, model=model, temperature=update_config.temperature,
+                )
+            )
+        return guides, failures
 
     def abandon_group(group: list[RolloutSample]) -> None:
         with state.abandoned_lock:

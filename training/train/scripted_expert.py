@@ -82,8 +82,15 @@ def expert_trajectory_create(
     *, task: CodingTask, backend: SandboxBackend, limits: AgentLimits | None = None, edit_tool: str = "edit_file"
 ) -> ExpertTrajectory:
     """Run the expert on `task` in a fresh sandbox and return its trajectory if the hidden tests pass."""
-    policy = toy_expert_policy(task, edit_tool=edit_tool)
     sandbox = task_sandboxes_create(backend=backend, task=task)[0]
+    return expert_trajectory_run(task=task, sandbox=sandbox, limits=limits, edit_tool=edit_tool)
+
+
+def expert_trajectory_run(
+    *, task: CodingTask, sandbox, limits: AgentLimits | None = None, edit_tool: str = "edit_file"
+) -> ExpertTrajectory:
+    """Run the expert on `task` in `sandbox` (a fresh copy of the task's repository, destroyed after)."""
+    policy = toy_expert_policy(task, edit_tool=edit_tool)
     try:
         result = run_agent(
             sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits or AgentLimits()

@@ -21,6 +21,7 @@ DASHBOARD_SERIES = (
     ("pass_rate", "Pass rate"),
     ("sampled_pass_rate", "Pass rate of every group's first rollouts (abandoned groups included)"),
     ("abandoned_groups", "Groups abandoned after their probe"),
+    ("guided_groups", "Groups given the expert's solution (expert_guidance)"),
     ("mean_completion_tokens", "Episode length (tokens)"),
     ("tool_calls_per_turn", "Tool calls per turn"),
     ("parallel_call_share", "Share of turns with parallel calls"),
