@@ -78,7 +78,7 @@ def expert_record_create(
     segments = expert_segments(messages=messages, tokenizer=tokenizer)
     record = RolloutRecord(
         task_id=task_id, group=group, valid=True, reward=reward, passed=True, segments=segments,
-        status=EXPERT_STATUS, turns=sum(1 for segment in segments) - 1,
+        status=EXPERT_STATUS, turns=len(segments) - 1,
     )
     for segment in segments:
         segment.logprobs = [0.0] * len(segment.token_ids)
