@@ -831,6 +831,7 @@ def run_async_rl(
             },
         }
         rollout_rows = []
+        guided_positions = {guide.group for guide in guides}
         labelled = [(group, False) for group in groups] + [(group, True) for group in abandoned]
         for group_position, (group, was_abandoned) in enumerate(labelled):
             for sample in group:
@@ -857,7 +858,7 @@ def run_async_rl(
                         "tools_used": sample.result["stats"]["tools_used"],
                         "tool_calls": sample.result["stats"]["tool_calls"],
                         "group_position": group_position,
-                        "guided": any(guide.group == group_position for guide in guides),
+                        "guided": group_position in guided_positions,
                     }
                 )
         # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,

@@ -26,7 +26,7 @@ from training.tokenizer import BPETokenizer
 from training.train.rollouts import RolloutRecord, Segment
 
 EXPERT_STATUS = "expert guidance"
-"""RolloutRecord.status of an expert sample (rollout logs tell them apart by it)."""
+"""RolloutRecord.status of an expert member (it is trained on, never logged as a sampled rollout)."""
 
 
 def expert_segments(*, messages: list[dict], tokenizer: BPETokenizer) -> list[Segment]:
@@ -82,13 +82,19 @@ def expert_record_create(
     )
     for segment in segments:
         segment.logprobs = [0.0] * len(segment.token_ids)
-    # One row per segment and no routing: the learner routes the expert's tokens itself, in the update too.
+    # Rows merged and unrouted as the update builds them (one forward for the shared prefix, and the same
+    # numbers the update will compute); the loss positions run through the segments in order.
     batches = segments_to_batches(
         records=[record], advantages=torch.ones(1), micro_batch_size=1, pad_id=tokenizer.pad_id,
-        with_routing=False, merge_turns=False,
+        with_routing=False,
     )
     with torch.no_grad():
-        for segment, batch in zip(segments, batches, strict=True):
-            logprobs = segment_logprobs(model, batch, temperature=temperature, routing_replay=False)
-            segment.logprobs = logprobs[batch.loss_mask.bool()].tolist()
+        learner_logprobs = torch.cat([
+            segment_logprobs(model, batch, temperature=temperature, routing_replay=False)[batch.loss_mask.bool()]
+            for batch in batches
+        ]).tolist()
+    offset = 0
+    for segment in segments:
+        segment.logprobs = learner_logprobs[offset : offset + len(segment.token_ids)]
+        offset += len(segment.token_ids)
     return record
