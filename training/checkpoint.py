@@ -7,6 +7,7 @@ checkpoint readable; config.json is renamed last and marks the checkpoint comple
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,33 @@ def average_checkpoints(*, sources: list[str | Path], output: str | Path) -> Pat
     return save_checkpoint(output, model, tokenizer, {"source": "average", "averaged": [str(path) for path in sources]})
 
 
+def interpolate_checkpoints(*, start: str | Path, end: str | Path, alpha: float, output: str | Path) -> Path:
+    """Write `start + alpha * (end - start)` to `output`, with the tokenizer both share.
+
+    With `start` an RL run's initial checkpoint and `end` its final one, `alpha` < 1 moves the trained
+    weights back towards the initial policy (WiSE-FT / WARP's interpolation towards the initialisation,
+    which can keep what the run learned while giving back some of the breadth it lost) and `alpha` > 1
+    goes further along the run's direction (ExPO-style extrapolation). Choose `alpha` on a validation
+    suite, never on the test it is reported on.
+    """
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise CheckpointError(f"alpha must be a positive number (1 = `end` itself), got {alpha}")
+    start_model, tokenizer, _ = load_checkpoint(start)
+    end_model, end_tokenizer, _ = load_checkpoint(end)
+    if end_model.config != start_model.config:
+        raise CheckpointError(f"{end} has another model config than {start}; interpolate a run's start and end")
+    if end_tokenizer.to_json() != tokenizer.to_json():
+        raise CheckpointError(f"{end} has another tokenizer than {start}; interpolate a run's start and end")
+    end_weights = end_model.state_dict()
+    mixed = {}
+    for name, tensor in start_model.state_dict().items():
+        origin = tensor.to(torch.float64)
+        mixed[name] = (origin + alpha * (end_weights[name].to(torch.float64) - origin)).to(tensor.dtype)
+    start_model.load_state_dict(mixed)
+    meta = {"source": "interpolation", "start": str(start), "end": str(end), "alpha": alpha}
+    return save_checkpoint(output, start_model, tokenizer, meta)
+
+
 def create_random_checkpoint(
     directory: str | Path, size: str = "tiny", seed: int = 0, **config_overrides: Any
 ) -> Path:
@@ -141,18 +169,37 @@ def create_random_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m training.checkpoint OUT_DIR --size tiny`: write a random-weight checkpoint to serve."""
+    """`python -m training.checkpoint OUT_DIR --size tiny`: write a random-weight checkpoint to serve;
+    `python -m training.checkpoint OUT_DIR --interpolate START END --alpha A`: interpolate two checkpoints."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m training.checkpoint",
         description="Create a randomly initialised checkpoint (tokenizer trained on the stdlib corpus), e.g. "
-        "for FLOWSTATE_MODEL_CHECKPOINT before any training has run.",
+        "for FLOWSTATE_MODEL_CHECKPOINT before any training has run; or, with --interpolate, mix two "
+        "checkpoints of one model (an RL run's start and end).",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     parser.add_argument("--size", default="tiny", help="ModelConfig.named preset (tiny, small, base, ...)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--interpolate",
+        nargs=2,
+        metavar=("START", "END"),
+        help="instead of random weights, write START + ALPHA * (END - START) of two checkpoints of one model",
+    )
+    parser.add_argument("--alpha", type=float, default=None, help="the weight of END with --interpolate")
     args = parser.parse_args(argv)
+    if (args.interpolate is None) != (args.alpha is None):
+        parser.error("--interpolate START END and --alpha go together")
+    if args.interpolate:
+        start, end = args.interpolate
+        try:
+            directory = interpolate_checkpoints(start=start, end=end, alpha=args.alpha, output=args.out_dir)
+        except (CheckpointError, FileNotFoundError) as error:
+            parser.error(str(error))
+        print(f"wrote {directory}: {start} + {args.alpha} * ({end} - {start})")
+        return 0
     directory = create_random_checkpoint(args.out_dir, size=args.size, seed=args.seed)
     config, _ = read_checkpoint_config(directory)
     counts = config.parameter_counts()

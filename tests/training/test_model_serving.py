@@ -16,10 +16,12 @@ from training.checkpoint import (
     CheckpointError,
     average_checkpoints,
     create_random_checkpoint,
+    interpolate_checkpoints,
     load_checkpoint,
     read_checkpoint_config,
     save_checkpoint,
 )
+from training.checkpoint import main as checkpoint_main
 from training.engine import EngineConfig
 from training.model import ModelConfig, MoETransformer
 from training.serving import ChatCompletion, ChatModel, ServingError
@@ -90,6 +92,42 @@ def test_averaged_checkpoint_holds_the_mean_of_the_weights(tmp_path):
     create_random_checkpoint(tmp_path / "deeper", seed=3, n_layers=3)
     with pytest.raises(CheckpointError, match="another model config"):
         average_checkpoints(sources=[sources[0], tmp_path / "deeper"], output=tmp_path / "mixed")
+
+
+def test_interpolated_checkpoint_lies_on_the_line_through_start_and_end(tmp_path):
+    start_dir = create_random_checkpoint(tmp_path / "start", seed=3)
+    end_dir = create_random_checkpoint(tmp_path / "end", seed=4)
+    start, end = load_checkpoint(start_dir)[0], load_checkpoint(end_dir)[0]
+    for alpha in (0.25, 1.5):
+        mixed_dir = interpolate_checkpoints(start=start_dir, end=end_dir, alpha=alpha, output=tmp_path / f"a{alpha}")
+        mixed, _, meta = load_checkpoint(mixed_dir)
+        assert meta == {"source": "interpolation", "start": str(start_dir), "end": str(end_dir), "alpha": alpha}
+        for name, tensor in mixed.state_dict().items():
+            expected = start.state_dict()[name] + alpha * (end.state_dict()[name] - start.state_dict()[name])
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=name)
+        assert mixed.output.weight is mixed.embed.weight
+    same = load_checkpoint(interpolate_checkpoints(start=start_dir, end=end_dir, alpha=1.0, output=tmp_path / "one"))[0]
+    for name, tensor in same.state_dict().items():
+        torch.testing.assert_close(tensor, end.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+    with pytest.raises(CheckpointError, match="alpha must be a positive number"):
+        interpolate_checkpoints(start=start_dir, end=end_dir, alpha=0.0, output=tmp_path / "zero")
+    create_random_checkpoint(tmp_path / "deeper", seed=3, n_layers=3)
+    with pytest.raises(CheckpointError, match="another model config"):
+        interpolate_checkpoints(start=start_dir, end=tmp_path / "deeper", alpha=0.5, output=tmp_path / "mixed")
+
+
+def test_interpolation_command_writes_the_checkpoint_and_rejects_half_its_arguments(tmp_path, capsys):
+    start_dir = create_random_checkpoint(tmp_path / "start", seed=3)
+    end_dir = create_random_checkpoint(tmp_path / "end", seed=4)
+    assert checkpoint_main([str(tmp_path / "out"), "--interpolate", str(start_dir), str(end_dir), "--alpha", "0.5"]) == 0
+    assert read_checkpoint_config(tmp_path / "out")[1]["alpha"] == 0.5
+    assert "0.5 *" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        checkpoint_main([str(tmp_path / "half"), "--alpha", "0.5"])
+    assert "go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        checkpoint_main([str(tmp_path / "bad"), "--interpolate", str(start_dir), str(end_dir), "--alpha", "-1"])
+    assert "alpha must be a positive number" in capsys.readouterr().err
 
 
 def test_broken_checkpoints_fail_clearly(tmp_path):
