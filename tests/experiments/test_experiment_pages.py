@@ -443,6 +443,8 @@ def test_benchmark_with_a_disabled_tool_keeps_the_prompt_and_counts_calls(owner,
     assert run.summary["options"]["disable_tools"] == ["run_terminal"]
     calls = run.summary["calls_by_tool"]
     assert calls and sum(calls.values()) > 0 and "read_file" in calls
+    # the refused run_terminal call is counted as failed; the expert's read and edit succeeded
+    assert run.summary["failed_calls_by_tool"] == {"run_terminal": calls["run_terminal"]}
     with pytest.raises(Exception, match="disable_tools names unknown tools"):
         call_command("bench", suite="toy-heldout-1", policy="scripted", owner=owner.username, disable_tools="nope")
 

@@ -182,6 +182,8 @@ class TaskOutcome:
     tokens: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
     calls_by_tool: Counter = field(default_factory=Counter)
+    failed_calls_by_tool: Counter = field(default_factory=Counter)
+    """Calls whose result was an error: a rejected edit, a refused or disabled call, a non-zero exit."""
     wall_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -293,6 +295,11 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
         calls = [event["payload"]["name"] for event in result.events if event["kind"] == "tool_call"]
         outcome.tool_calls.append(len(calls))
         outcome.calls_by_tool.update(calls)
+        outcome.failed_calls_by_tool.update(
+            event["payload"]["name"]
+            for event in result.events
+            if event["kind"] == "tool_result" and not event["payload"]["ok"]
+        )
 
     jobs = [(task, index) for task in tasks for index in range(config.attempts)]
     try:
@@ -324,6 +331,7 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
         "mean_tokens": sum(all_tokens) / len(all_tokens) if all_tokens else 0.0,
         "mean_tool_calls": sum(all_calls) / len(all_calls) if all_calls else 0.0,
         "calls_by_tool": dict(sum((o.calls_by_tool for o in scored), Counter())),
+        "failed_calls_by_tool": dict(sum((o.failed_calls_by_tool for o in scored), Counter())),
         "wall_s": time.monotonic() - started,
         "per_task": rows,
     }
