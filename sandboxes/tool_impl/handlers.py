@@ -6,6 +6,7 @@ dispatcher in ``sandboxes.tools`` turns those into error results with the messag
 
 from __future__ import annotations
 
+import difflib
 import shlex
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,14 @@ GREP_MAX_RESULTS = 500
 """Upper bound on grep's max_results argument."""
 GREP_MAX_COLUMNS = 300
 """Longer matching lines are shortened by ripgrep to a preview."""
+EDIT_HINT_MIN_SIMILARITY = 0.6
+"""How close (difflib ratio) the file's most similar lines must be to a missed old_str to be shown."""
+EDIT_HINT_MAX_LINES = 12
+"""A missed old_str longer than this many lines gets no closest-text hint."""
+EDIT_HINT_MAX_CHARS = 2000
+"""A missed old_str longer than this many characters gets no hint: the search runs on the host, per window."""
+EDIT_HINT_MAX_FILE_BYTES = 256 * 1024
+"""Larger files are not searched for the closest text, so a hint costs milliseconds, never seconds."""
 
 
 class ToolFailure(Exception):
@@ -105,7 +114,7 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     if not positions:
         raise ToolFailure(
             f"old_str was found 0 times in {path}; it must match the file exactly once, including "
-            "whitespace and indentation. Read the file again and copy the text exactly."
+            "whitespace and indentation. " + _closest_text_hint(text, old, path)
         )
     if len(positions) > 1:
         lines = ", ".join(str(_line_of(text, p)) for p in positions[:20])
@@ -120,6 +129,39 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     snippet = _edited_snippet(updated.splitlines(keepends=True), first, first + new.count("\n"))
     return Outcome(f"Edited {path}: replaced 1 occurrence at line {_line_of(text, at)}.\n{snippet}",
                    meta={"path": path, "line": first})
+
+
+def _closest_text_hint(text: str, old: str, path: str) -> str:
+    """Where old_str missed by a little, show the lines it most likely meant, numbered as read_file numbers
+    them: agents (and the policy we train) mostly miss by a character or an indent, and copying from the
+    error message just read is easier than finding the lines again in an earlier read_file result."""
+    fallback = "Read the file again and copy the text exactly."
+    lines = text.splitlines(keepends=True)
+    width = old.count("\n") + (0 if old.endswith("\n") else 1)
+    if not lines or width > EDIT_HINT_MAX_LINES or len(old) > EDIT_HINT_MAX_CHARS or len(text) > EDIT_HINT_MAX_FILE_BYTES:
+        return fallback
+    width = min(width, len(lines))
+    best_ratio, best_start = 0.0, 0
+    matcher = difflib.SequenceMatcher(autojunk=False)
+    matcher.set_seq2(old)
+    for start in range(len(lines) - width + 1):
+        matcher.set_seq1("".join(lines[start : start + width]))
+        if matcher.real_quick_ratio() <= best_ratio or matcher.quick_ratio() <= best_ratio:
+            continue
+        ratio = matcher.ratio()
+        if ratio > best_ratio:
+            best_ratio, best_start = ratio, start
+    if best_ratio < EDIT_HINT_MIN_SIMILARITY:
+        return fallback
+    window = lines[best_start : best_start + width]
+    if not window[-1].endswith("\n"):
+        window = [*window[:-1], window[-1] + "\n"]
+    first, last = best_start + 1, best_start + width
+    where = f"line {first}" if first == last else f"lines {first}-{last}"
+    return (
+        f"The most similar text in {path} is {where}:\n{number_lines(window, first)}"
+        "If you meant it, copy it exactly (without the line numbers) into old_str."
+    )
 
 
 def _edited_snippet(lines: list[str], first: int, last: int) -> str:

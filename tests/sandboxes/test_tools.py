@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -252,3 +253,22 @@ def test_tool_results_are_byte_identical_across_backends(tmp_path):
             shutil.rmtree(root, ignore_errors=True)
     for local, docker in zip(outputs["local"], outputs["docker"], strict=True):
         assert local == docker
+
+
+def test_a_missed_edit_shows_the_most_similar_lines_numbered(sandbox):
+    sandbox.write_bytes("calc.py", b"def total(values):\n    result = 1\n    for value in values:\n        result += value\n    return result\n")
+    # a one-character miss (the constant the file really holds is 1): the hint shows that line as read_file numbers it
+    near = call(sandbox, "edit_file", path="calc.py", old_str="    result = 0\n", new_str="    result = 2\n")
+    assert not near.ok and "found 0 times" in near.output
+    assert "The most similar text in calc.py is line 2:\n     2\t    result = 1\n" in near.output
+    # a miss over two lines (indent lost) names the two-line window
+    two = call(sandbox, "edit_file", path="calc.py", old_str="for value in values:\n    result += value\n", new_str="x")
+    assert not two.ok and "is lines 3-4:\n     3\t    for value in values:\n     4\t        result += value\n" in two.output
+    # nothing alike: no hint, the plain advice
+    far = call(sandbox, "edit_file", path="calc.py", old_str="import os", new_str="import sys")
+    assert not far.ok and "most similar" not in far.output and "Read the file again" in far.output
+    # the search runs on the host: an old_str of a megabyte gets the plain advice at once, not a quadratic scan
+    started = time.monotonic()
+    huge = call(sandbox, "edit_file", path="calc.py", old_str="    result = 0" * 80_000, new_str="x")
+    assert not huge.ok and "most similar" not in huge.output and time.monotonic() - started < 5
+    assert sandbox.read_bytes("calc.py").startswith(b"def total(values):\n    result = 1\n")
