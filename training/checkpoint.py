@@ -106,24 +106,34 @@ def load_checkpoint(
     return model.eval(), tokenizer, meta
 
 
+def _weighted_checkpoint(
+    *, sources: list[str | Path], weights: list[float], output: str | Path, meta: dict[str, Any], fix: str
+) -> Path:
+    """Write sum(weight * weights of source) (float64 sums) to `output`; `fix` ends the mismatch errors."""
+    model, tokenizer, _ = load_checkpoint(sources[0])
+    total = {name: weights[0] * tensor.to(torch.float64) for name, tensor in model.state_dict().items()}
+    for source, weight in zip(sources[1:], weights[1:], strict=True):
+        other, other_tokenizer, _ = load_checkpoint(source)
+        if other.config != model.config:
+            raise CheckpointError(f"{source} has another model config than {sources[0]}; {fix}")
+        if other_tokenizer.to_json() != tokenizer.to_json():
+            raise CheckpointError(f"{source} has another tokenizer than {sources[0]}; {fix}")
+        for name, tensor in other.state_dict().items():
+            total[name] += weight * tensor.to(torch.float64)
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    model.load_state_dict({name: value.to(dtypes[name]) for name, value in total.items()})
+    return save_checkpoint(output, model, tokenizer, meta)
+
+
 def average_checkpoints(*, sources: list[str | Path], output: str | Path) -> Path:
     """Write the uniform average of the weights of `sources` (checkpoints of one model and tokenizer) to
     `output`: averaging the last checkpoints of a run smooths the noise of its final updates."""
     if len(sources) < 2:
         raise CheckpointError(f"averaging needs at least two checkpoints, got {len(sources)}")
-    model, tokenizer, _ = load_checkpoint(sources[0])
-    weights = model.state_dict()
-    total = {name: tensor.to(torch.float64) for name, tensor in weights.items()}
-    for source in sources[1:]:
-        other, other_tokenizer, _ = load_checkpoint(source)
-        if other.config != model.config:
-            raise CheckpointError(f"{source} has another model config than {sources[0]}; average one run's checkpoints")
-        if other_tokenizer.to_json() != tokenizer.to_json():
-            raise CheckpointError(f"{source} has another tokenizer than {sources[0]}; average one run's checkpoints")
-        for name, tensor in other.state_dict().items():
-            total[name] += tensor.to(torch.float64)
-    model.load_state_dict({name: (value / len(sources)).to(weights[name].dtype) for name, value in total.items()})
-    return save_checkpoint(output, model, tokenizer, {"source": "average", "averaged": [str(path) for path in sources]})
+    return _weighted_checkpoint(
+        sources=sources, weights=[1 / len(sources)] * len(sources), output=output,
+        meta={"source": "average", "averaged": [str(path) for path in sources]}, fix="average one run's checkpoints",
+    )
 
 
 def interpolate_checkpoints(*, start: str | Path, end: str | Path, alpha: float, output: str | Path) -> Path:
@@ -137,20 +147,11 @@ def interpolate_checkpoints(*, start: str | Path, end: str | Path, alpha: float,
     """
     if not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointError(f"alpha must be a positive number (1 = `end` itself), got {alpha}")
-    start_model, tokenizer, _ = load_checkpoint(start)
-    end_model, end_tokenizer, _ = load_checkpoint(end)
-    if end_model.config != start_model.config:
-        raise CheckpointError(f"{end} has another model config than {start}; interpolate a run's start and end")
-    if end_tokenizer.to_json() != tokenizer.to_json():
-        raise CheckpointError(f"{end} has another tokenizer than {start}; interpolate a run's start and end")
-    end_weights = end_model.state_dict()
-    mixed = {}
-    for name, tensor in start_model.state_dict().items():
-        origin = tensor.to(torch.float64)
-        mixed[name] = (origin + alpha * (end_weights[name].to(torch.float64) - origin)).to(tensor.dtype)
-    start_model.load_state_dict(mixed)
-    meta = {"source": "interpolation", "start": str(start), "end": str(end), "alpha": alpha}
-    return save_checkpoint(output, start_model, tokenizer, meta)
+    return _weighted_checkpoint(
+        sources=[start, end], weights=[1 - alpha, alpha], output=output,
+        meta={"source": "interpolation", "start": str(start), "end": str(end), "alpha": alpha},
+        fix="interpolate a run's start and end",
+    )
 
 
 def create_random_checkpoint(

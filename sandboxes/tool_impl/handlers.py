@@ -153,20 +153,17 @@ def _closest_text_hint(text: str, old: str, path: str) -> str:
             best_ratio, best_start = ratio, start
     if best_ratio < EDIT_HINT_MIN_SIMILARITY:
         return fallback
-    window = lines[best_start : best_start + width]
-    if not window[-1].endswith("\n"):
-        window = [*window[:-1], window[-1] + "\n"]
     first, last = best_start + 1, best_start + width
     where = f"line {first}" if first == last else f"lines {first}-{last}"
     return (
-        f"The most similar text in {path} is {where}:\n{number_lines(window, first)}"
+        f"The most similar text in {path} is {where}:\n{_edited_snippet(lines, first, last, context=0)}"
         "If you meant it, copy it exactly (without the line numbers) into old_str."
     )
 
 
-def _edited_snippet(lines: list[str], first: int, last: int) -> str:
-    """The edited lines with three lines of context either side, numbered as read_file numbers them."""
-    lo, hi = max(first - 3, 1), min(last + 3, len(lines))
+def _edited_snippet(lines: list[str], first: int, last: int, context: int = 3) -> str:
+    """Lines first..last with `context` lines either side, numbered as read_file numbers them."""
+    lo, hi = max(first - context, 1), min(last + context, len(lines))
     snippet = number_lines(lines[lo - 1 : hi], lo)
     return snippet if not snippet or snippet.endswith("\n") else snippet + "\n"
 
