@@ -133,6 +133,9 @@ def main() -> None:
                         help="divide each group's centred rewards by its standard deviation (the GRPO paper's form)")
     parser.add_argument("--expert-guidance", action="store_true",
                         help="when no rollout of a group passed, add the scripted expert's solution to the group")
+    parser.add_argument("--reference-similarity-weight", type=float, default=0.0, metavar="W",
+                        help="a failed training rollout scores W x its closest edit's similarity to the reference "
+                        "fix (SWE-RL-style shaping; 0 keeps rewards test-only; held-out evaluation never uses it)")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -214,6 +217,7 @@ def main() -> None:
         kl_coef=args.kl_coef,
         normalize_advantage_std=args.normalize_advantage_std,
         expert_guidance=args.expert_guidance,
+        reference_similarity_weight=args.reference_similarity_weight,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,
@@ -248,6 +252,7 @@ def main() -> None:
         "final_checkpoint": str(final) if final else None,
         "training_minutes": round(training_minutes, 1),
         "rollout_temperature": config.temperature,
+        "reference_similarity_weight": config.reference_similarity_weight,
         "evaluation_temperature": args.temperature,
         "steps": len(metrics),
         "heldout_before": before,

@@ -47,6 +47,8 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
     assert AsyncRLConfig(
         run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=8, probe_size=4
     ).scheduler_config.probe_size == 4
+    with pytest.raises(AsyncRLConfigError, match=r"reference_similarity_weight must be in \[0, 1\)"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), reference_similarity_weight=1.0)
     with pytest.raises(AsyncRLConfigError, match="not a checkpoint directory"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(tmp_path / "missing"))
     with pytest.raises(AsyncRLConfigError, match="unknown AsyncRLConfig fields"):

@@ -14,6 +14,7 @@ from training.tasks.reward import (
     RewardConfig,
     RewardInfrastructureError,
     parse_unittest_output,
+    reference_edit_similarity,
     score_rollout,
 )
 from training.tasks.sandboxing import task_sandboxes_create
@@ -170,6 +171,66 @@ def test_partial_credit_lint_and_format_terms(task_backend):
         RewardConfig(lint_weight=0.8, format_weight=0.5)
 
 
+def _near_miss_edit(task: CodingTask) -> dict:
+    """The reference fix with one character of its old text changed: the copy misses, the target is right."""
+    old = task.solution.old_text
+    position = next(index for index, char in enumerate(old) if char.isalnum())
+    changed = old[:position] + ("x" if old[position] != "x" else "y") + old[position + 1 :]
+    return {"path": task.solution.path, "old_str": changed, "new_str": task.solution.new_text}
+
+
+def test_reference_similarity_ranks_near_misses_above_wrong_lines():
+    task = generate_toy_task(3)
+    exact = {"path": task.solution.path, "old_str": task.solution.old_text, "new_str": task.solution.new_text}
+    near = _near_miss_edit(task)
+    other_line = {"path": task.solution.path, "old_str": "    return None\n", "new_str": "    return 0\n"}
+    assert reference_edit_similarity(task=task, edit_arguments=[exact]) == pytest.approx(1.0)
+    near_score = reference_edit_similarity(task=task, edit_arguments=[near])
+    far_score = reference_edit_similarity(task=task, edit_arguments=[other_line])
+    assert 0.8 < near_score < 1.0 and far_score < near_score
+    # The closest call counts; other files, "./" spellings and malformed arguments are handled.
+    assert reference_edit_similarity(task=task, edit_arguments=[other_line, near]) == pytest.approx(near_score)
+    assert reference_edit_similarity(task=task, edit_arguments=[{**exact, "path": "elsewhere.py"}]) == 0.0
+    dotted = {**exact, "path": "./" + task.solution.path}
+    assert reference_edit_similarity(task=task, edit_arguments=[dotted]) == pytest.approx(1.0)
+    malformed = [{"path": task.solution.path, "old_str": 3, "new_str": "x"}, {"path": "../../etc/passwd", "old_str": "a",
+                                                                               "new_str": "b"}]
+    assert reference_edit_similarity(task=task, edit_arguments=malformed) == 0.0
+    assert reference_edit_similarity(task=task, edit_arguments=[]) == 0.0
+
+
+def test_reference_similarity_shapes_failures_only(task_backend):
+    task = generate_toy_task(3)
+    config = RewardConfig(reference_similarity_weight=0.3)
+    near = _near_miss_edit(task)
+    failed_box, fixed_box, hanging_box = task_sandboxes_create(backend=task_backend, task=task, count=3)
+    try:
+        fixed_box.write_bytes(task.solution.path, task.solved_files()[task.solution.path].encode())
+        hang = task.files[task.solution.path] + "\nimport time\ntime.sleep(60)\n"
+        hanging_box.write_bytes(task.solution.path, hang.encode())
+        failed = score_rollout(sandbox=failed_box, task=task, config=config, edit_arguments=[near])
+        fixed = score_rollout(sandbox=fixed_box, task=task, config=config, edit_arguments=[near])
+        hanging = score_rollout(
+            sandbox=hanging_box, task=task, config=RewardConfig(reference_similarity_weight=0.3, timeout_s=2),
+            edit_arguments=[near],
+        )
+        unshaped = score_rollout(sandbox=failed_box, task=task, edit_arguments=[near])
+    finally:
+        for box in (failed_box, fixed_box, hanging_box):
+            box.destroy()
+    similarity = reference_edit_similarity(task=task, edit_arguments=[near])
+    assert not failed.passed and failed.value == pytest.approx(0.3 * similarity) and failed.value > 0.2
+    assert failed.reference_similarity == pytest.approx(similarity)
+    # A pass scores 1 whatever its edits looked like; a hang scores 0; without the weight nothing changes.
+    assert fixed.passed and fixed.value == 1.0
+    assert hanging.timed_out and hanging.value == 0.0
+    assert unshaped.value == 0.0 and unshaped.reference_similarity is None
+    with pytest.raises(TaskError, match="reference_similarity_weight must be in"):
+        RewardConfig(reference_similarity_weight=1.0)
+    with pytest.raises(TaskError, match="reference_similarity_weight must be in"):
+        RewardConfig(reference_similarity_weight=-0.1)
+
+
 def test_hanging_fix_scores_zero_but_dead_sandbox_is_infrastructure(task_backend):
     task = generate_toy_task(3)
     box, dead = task_sandboxes_create(backend=task_backend, task=task, count=2)
@@ -199,3 +260,41 @@ def test_parse_unittest_output_handles_docstring_lines():
         "tests.test_x.TestX.test_b": "FAIL",
         "tests.test_x.TestX.test_c": "skipped",
     }
+
+
+def test_rollout_rewards_see_every_edit_file_call_the_agent_made(task_backend):
+    """The shaping term reads the edit_file calls from the agent loop's own events: rejected ones count
+    (a near-miss copy is what it ranks), other tools and unparseable arguments do not."""
+    from training.agent.config import AgentLimits
+    from training.agent.loop import run_agent
+    from training.agent.scripted import ScriptedExpertPolicy, ScriptedTurn
+    from training.rollout.driver import _edit_file_arguments
+    from training.tasks.reward import RewardConfig, reference_edit_similarity, score_rollout
+    from training.tasks.sandboxing import task_sandboxes_create
+    from training.tasks.toy import generate_toy_task
+
+    task = generate_toy_task(3)
+    near = {"path": task.solution.path, "old_str": task.solution.old_text.replace(" ", "  ", 1),
+            "new_str": task.solution.new_text}
+    policy = ScriptedExpertPolicy(
+        turns=[
+            ScriptedTurn(content="look", calls=(("read_file", {"path": task.solution.path}),)),
+            ScriptedTurn(content="fix", calls=(("edit_file", near),)),
+        ],
+        final_message="done",
+    )
+    (sandbox,) = task_sandboxes_create(backend=task_backend, task=task)
+    try:
+        result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=AgentLimits(max_turns=4))
+        rejected = [e for e in result.events if e["kind"] == "tool_result" and not e["payload"]["ok"]]
+        arguments = _edit_file_arguments(result.events)
+        reward = score_rollout(sandbox=sandbox, task=task, config=RewardConfig(reference_similarity_weight=0.3),
+                               edit_arguments=arguments)
+    finally:
+        sandbox.destroy()
+    assert len(rejected) == 1 and arguments == [near]
+    similarity = reference_edit_similarity(task=task, edit_arguments=[near])
+    assert not reward.passed and reward.value == pytest.approx(0.3 * similarity) and similarity > 0.9
+    events = [{"kind": "tool_call", "payload": {"name": "edit_file", "arguments": "{not json"}},
+              {"kind": "tool_call", "payload": {"name": "grep", "arguments": {"pattern": "x"}}}]
+    assert _edit_file_arguments(events) == []

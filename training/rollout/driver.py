@@ -155,6 +155,11 @@ class AsyncRLConfig:
     """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
     partial_credit: bool = False
     """Reward the fraction of passing hidden tests instead of 0/1."""
+    reference_similarity_weight: float = 0.0
+    """A failed rollout scores this weight times its closest edit_file call's similarity to the task's
+    reference fix (SWE-RL-style shaping, training.tasks.reward.RewardConfig.reference_similarity_weight):
+    groups where every rollout failed then still train, towards the near-misses. 0 keeps rewards test-only;
+    must be below 1 so a pass always scores highest. Held-out evaluation never uses it."""
     sandbox_backend: str | None = None
     """Sandbox backend the rollout workers use (None: the configured default)."""
     ray_address: str | None = None
@@ -200,6 +205,11 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise AsyncRLConfigError(f"min_lr_ratio must be in [0, 1] (1 keeps lr constant), got {self.min_lr_ratio}")
+        if not 0 <= self.reference_similarity_weight < 1:
+            raise AsyncRLConfigError(
+                "reference_similarity_weight must be in [0, 1) (0 keeps rewards test-only; below 1 a failing "
+                f"edit always scores under a pass), got {self.reference_similarity_weight}"
+            )
         if not 0 < self.lr_decay_fraction <= 1:
             raise AsyncRLConfigError(
                 f"lr_decay_fraction must be in (0, 1] (1 decays over every update after the warmup), "
@@ -523,7 +533,13 @@ class RolloutServer:
             reward_started = time.monotonic()
             try:
                 reward = score_rollout(
-                    sandbox=sandbox, task=task, config=RewardConfig(partial_credit=config.partial_credit)
+                    sandbox=sandbox,
+                    task=task,
+                    config=RewardConfig(
+                        partial_credit=config.partial_credit,
+                        reference_similarity_weight=config.reference_similarity_weight,
+                    ),
+                    edit_arguments=_edit_file_arguments(result.events),
                 )
             except RewardInfrastructureError as error:
                 return invalid(str(error), result.turns)
@@ -547,6 +563,17 @@ class RolloutServer:
                 sandbox.destroy()
             except SandboxError as error:
                 logger.warning("could not destroy sandbox of %s: %s", rollout_id, error)
+
+
+def _edit_file_arguments(events: list[dict]) -> list[dict]:
+    """The parsed arguments of a rollout's edit_file calls, applied or rejected (unparseable ones skipped)."""
+    return [
+        event["payload"]["arguments"]
+        for event in events
+        if event["kind"] == "tool_call"
+        and event["payload"]["name"] == "edit_file"
+        and isinstance(event["payload"]["arguments"], dict)
+    ]
 
 
 # --------------------------------------------------------------------------------------- driver

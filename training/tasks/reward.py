@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from training.tasks.base import CodingTask, TaskError
@@ -41,6 +42,11 @@ class RewardConfig:
     """Penalty subtracted when the edit leaves touched files less `ruff format`-clean than before."""
     timeout_s: float | None = None
     """Limit of the hidden-test run; None uses the task's own test_timeout_s."""
+    reference_similarity_weight: float = 0.0
+    """SWE-RL-style shaping: a rollout whose hidden tests fail scores this weight times the similarity of
+    its closest edit_file call to the task's reference fix (`reference_edit_similarity`), so groups where
+    every rollout failed still rank a near-miss (the right line, one character off) above an edit of the
+    wrong line or none. 0 leaves the reward test-only; a pass always scores 1."""
 
     def __post_init__(self) -> None:
         if self.lint_weight < 0 or self.format_weight < 0:
@@ -48,6 +54,11 @@ class RewardConfig:
         if self.lint_weight + self.format_weight > 1.0:
             raise TaskError(
                 "RewardConfig.lint_weight + format_weight must be <= 1 so style never outweighs a passing fix"
+            )
+        if not 0 <= self.reference_similarity_weight < 1:
+            raise TaskError(
+                "RewardConfig.reference_similarity_weight must be in [0, 1) so a failing edit always scores "
+                f"below a passing one; got {self.reference_similarity_weight}"
             )
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise TaskError("RewardConfig.timeout_s must be positive, or None for the task's own limit")
@@ -81,6 +92,8 @@ class Reward:
     """Test id -> ok / FAIL / ERROR / skipped, as parsed from the runner output."""
     output_tail: str = ""
     """Last lines of the runner output, for the trace viewer."""
+    reference_similarity: float | None = None
+    """Similarity of the closest edit_file call to the reference fix, when the shaping term is on."""
 
     def as_dict(self) -> dict:
         return {
@@ -93,6 +106,7 @@ class Reward:
             "lint_penalty": self.lint_penalty,
             "format_penalty": self.format_penalty,
             "duration_s": self.duration_s,
+            "reference_similarity": self.reference_similarity,
         }
 
 
@@ -180,8 +194,52 @@ def _touched_python_files(*, sandbox, task: CodingTask) -> dict[str, tuple[str, 
     return touched
 
 
-def score_rollout(*, sandbox, task: CodingTask, config: RewardConfig | None = None) -> Reward:
-    """Run the task's hidden tests in `sandbox` (the agent's final workspace) and score them."""
+REFERENCE_SIMILARITY_MAX_CHARS = 4000
+"""Longer edit_file arguments are cut to this many characters before comparison (difflib is quadratic)."""
+
+
+def reference_edit_similarity(*, task: CodingTask, edit_arguments: Sequence[Mapping]) -> float:
+    """How close the agent's closest edit_file call came to the reference fix, in [0, 1].
+
+    SWE-RL (Wei et al., 2025) rewards a patch by its difflib similarity to the oracle patch; here the
+    patch is one call's `old_str` and `new_str`, compared with the reference's old and new text joined the
+    same way, so both the copy of the faulty line and the fix count. Calls that were rejected count too:
+    the failure this term targets is an `old_str` that misses the file by a character. Calls on another
+    file, or with arguments that are not strings, score 0.
+    """
+    from sandboxes.base import SandboxError
+    from sandboxes.safe_fs import normalize_relative
+
+    solution = task.solution
+    reference = _edit_text(solution.old_text, solution.new_text)
+    best = 0.0
+    for arguments in edit_arguments:
+        old, new, path = arguments.get("old_str"), arguments.get("new_str"), arguments.get("path")
+        if not (isinstance(old, str) and isinstance(new, str) and isinstance(path, str)):
+            continue
+        try:
+            if normalize_relative(path) != normalize_relative(solution.path):
+                continue
+        except SandboxError:
+            continue
+        matcher = difflib.SequenceMatcher(None, _edit_text(old, new), reference, autojunk=False)
+        if matcher.real_quick_ratio() > best and matcher.quick_ratio() > best:
+            best = max(best, matcher.ratio())
+    return best
+
+
+def _edit_text(old: str, new: str) -> str:
+    limit = REFERENCE_SIMILARITY_MAX_CHARS
+    return f"{old.strip()[:limit]}\n=>\n{new.strip()[:limit]}"
+
+
+def score_rollout(
+    *, sandbox, task: CodingTask, config: RewardConfig | None = None, edit_arguments: Sequence[Mapping] = ()
+) -> Reward:
+    """Run the task's hidden tests in `sandbox` (the agent's final workspace) and score them.
+
+    `edit_arguments` are the rollout's edit_file call arguments, read only by the reference-similarity term.
+    """
     config = config or RewardConfig()
     touched = (
         _touched_python_files(sandbox=sandbox, task=task)
@@ -226,6 +284,13 @@ def score_rollout(*, sandbox, task: CodingTask, config: RewardConfig | None = No
         base = tests_passed / max(1, len(required | set(statuses)))
     else:
         base = 1.0 if all_passed else 0.0
+    similarity = None
+    if config.reference_similarity_weight:
+        similarity = reference_edit_similarity(task=task, edit_arguments=edit_arguments)
+        if not all_passed and not result.timed_out:
+            # A hang scores zero whatever the edit looked like: the term ranks attempts, it never pays for a
+            # program that no longer terminates.
+            base = max(base, config.reference_similarity_weight * similarity)
 
     lint_penalty = format_penalty = 0.0
     for path, (before, after) in touched.items():
@@ -246,4 +311,5 @@ def score_rollout(*, sandbox, task: CodingTask, config: RewardConfig | None = No
         duration_s=result.duration_s,
         test_statuses=statuses,
         output_tail="\n".join(output.strip().splitlines()[-30:]),
+        reference_similarity=similarity,
     )
