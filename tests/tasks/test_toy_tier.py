@@ -269,9 +269,6 @@ def test_rollout_rewards_see_every_edit_file_call_the_agent_made(task_backend):
     from training.agent.loop import run_agent
     from training.agent.scripted import ScriptedExpertPolicy, ScriptedTurn
     from training.rollout.driver import _edit_file_arguments
-    from training.tasks.reward import RewardConfig, reference_edit_similarity, score_rollout
-    from training.tasks.sandboxing import task_sandboxes_create
-    from training.tasks.toy import generate_toy_task
 
     task = generate_toy_task(3)
     near = {"path": task.solution.path, "old_str": task.solution.old_text.replace(" ", "  ", 1),

@@ -46,6 +46,7 @@ from training.rollout.scheduler import (
 from training.train.objective_options import objective_options_problem
 
 if TYPE_CHECKING:  # torch-free at import time: the web process validates launch configs with this module
+    from training.tasks.reward import RewardConfig
     from training.train.rl import RLConfig
 
 logger = logging.getLogger(__name__)
@@ -207,11 +208,6 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise AsyncRLConfigError(f"min_lr_ratio must be in [0, 1] (1 keeps lr constant), got {self.min_lr_ratio}")
-        if not 0 <= self.reference_similarity_weight < 1:
-            raise AsyncRLConfigError(
-                "reference_similarity_weight must be in [0, 1) (0 keeps rewards test-only; below 1 a failing "
-                f"edit always scores under a pass), got {self.reference_similarity_weight}"
-            )
         if not 0 < self.lr_decay_fraction <= 1:
             raise AsyncRLConfigError(
                 f"lr_decay_fraction must be in (0, 1] (1 decays over every update after the warmup), "
@@ -225,6 +221,12 @@ class AsyncRLConfig:
         )
         if problem:
             raise AsyncRLConfigError(problem.removesuffix("."))
+        from training.tasks.base import TaskError
+
+        try:
+            self.reward_config  # noqa: B018 - its checks (the shaping weight's range) are the reward's own
+        except TaskError as error:
+            raise AsyncRLConfigError(str(error).removeprefix("RewardConfig.")) from error
         try:
             self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
         except SchedulerConfigError as error:
@@ -240,6 +242,15 @@ class AsyncRLConfig:
                 f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
                 "directory written by training.checkpoint.save_checkpoint (e.g. the SFT result)"
             )
+
+    @property
+    def reward_config(self) -> RewardConfig:
+        """The RewardConfig every rollout of this run is scored with."""
+        from training.tasks.reward import RewardConfig
+
+        return RewardConfig(
+            partial_credit=self.partial_credit, reference_similarity_weight=self.reference_similarity_weight
+        )
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
@@ -466,7 +477,7 @@ class RolloutServer:
     ) -> dict:
         from sandboxes.base import SandboxError
         from training.agent.loop import run_agent
-        from training.tasks.reward import RewardConfig, RewardInfrastructureError, score_rollout
+        from training.tasks.reward import RewardInfrastructureError, score_rollout
         from training.train.rollouts import RolloutRecord
 
         config = self.config
@@ -537,10 +548,7 @@ class RolloutServer:
                 reward = score_rollout(
                     sandbox=sandbox,
                     task=task,
-                    config=RewardConfig(
-                        partial_credit=config.partial_credit,
-                        reference_similarity_weight=config.reference_similarity_weight,
-                    ),
+                    config=config.reward_config,
                     edit_arguments=_edit_file_arguments(result.events),
                 )
             except RewardInfrastructureError as error:
