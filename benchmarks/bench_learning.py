@@ -45,6 +45,7 @@ def evaluate(checkpoint: str, args: argparse.Namespace, disable_tools: tuple[str
         max_tokens_per_turn=args.max_tokens_per_turn,
         temperature=args.temperature,
         concurrency=2,
+        copy_constraint=args.copy_constraint,
     )
     return run_benchmark(config=config)
 
@@ -60,6 +61,7 @@ def load_baseline(args: argparse.Namespace) -> dict:
         "max_tokens_per_turn": args.max_tokens_per_turn,
         "temperature": args.temperature,
         "disable_tools": [],
+        "copy_constraint": args.copy_constraint,
     }
     stored = {key: summary["config"].get(key) for key in expected}
     if stored != expected:
@@ -136,6 +138,9 @@ def main() -> None:
     parser.add_argument("--reference-similarity-weight", type=float, default=0.0, metavar="W",
                         help="a failed training rollout scores W x its closest edit's similarity to the reference "
                         "fix (SWE-RL-style shaping; 0 keeps rewards test-only; held-out evaluation never uses it)")
+    parser.add_argument("--no-copy-constraint", dest="copy_constraint", action="store_false",
+                        help="sample edit_file's old_str freely instead of only from text of the tool results "
+                             "(training.copy_constraint), in rollouts and evaluations")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -218,6 +223,7 @@ def main() -> None:
         normalize_advantage_std=args.normalize_advantage_std,
         expert_guidance=args.expert_guidance,
         reference_similarity_weight=args.reference_similarity_weight,
+        copy_constraint=args.copy_constraint,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,
@@ -253,6 +259,7 @@ def main() -> None:
         "training_minutes": round(training_minutes, 1),
         "rollout_temperature": config.temperature,
         "reference_similarity_weight": config.reference_similarity_weight,
+        "copy_constraint": config.copy_constraint,
         "evaluation_temperature": args.temperature,
         "steps": len(metrics),
         "heldout_before": before,

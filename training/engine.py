@@ -22,7 +22,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -37,6 +37,11 @@ FUSED_MAX_TOKENS = 16
 """Longest input the fused forward runs; longer prefills take MoETransformer.forward, whose attention
 (scaled_dot_product_attention) is ~2.7x faster for a 2.6k-token prompt on the CPU (277 vs 756 ms, tiny
 model, one thread), while the fused path wins at decoding (5.3 vs 6.7 ms per step of 4 sequences)."""
+
+
+class TokenConstraint(Protocol):
+    def allowed(self, generated: Sequence[int]) -> torch.Tensor | None:
+        """Boolean mask [vocab] of the tokens allowed after `generated`, or None for no restriction."""
 
 
 @dataclass
@@ -57,6 +62,10 @@ class SamplingParams:
 
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends right after any of these tokens (which is kept in the output)."""
+
+    constraint: TokenConstraint | None = None
+    """Masks the tokens that may come next (training.copy_constraint.CopyConstraint); None: any token.
+    The recorded logprob stays that of the unconstrained distribution (what a learner recomputes)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -412,12 +421,26 @@ class GenerationEngine:
         return logits, routed.to("cpu", torch.int16)
 
     def _sample_and_advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        temperatures = [s.params.temperature for s in sequences]
+        masks = [s.params.constraint.allowed(s.tokens) if s.params.constraint is not None else None
+                 for s in sequences]
+        constrained = [row for row, mask in enumerate(masks) if mask is not None]
+        sampled_logits = logits
+        if constrained:
+            sampled_logits = logits.float().cpu().clone()
+            for row in constrained:
+                sampled_logits[row].masked_fill_(~masks[row], float("-inf"))
         tokens, logprobs = sample_tokens(
-            logits,
-            temperatures=[s.params.temperature for s in sequences],
+            sampled_logits,
+            temperatures=temperatures,
             top_ps=[s.params.top_p for s in sequences],
             generators=[s.generator for s in sequences],
         )
+        if constrained:
+            rows = torch.tensor(constrained)
+            scale = torch.tensor([temperatures[row] or 1.0 for row in constrained])[:, None]
+            unconstrained = (logits.float().cpu()[rows] / scale).log_softmax(dim=-1)
+            logprobs[rows] = unconstrained.gather(1, tokens[rows][:, None]).squeeze(1)
         events = []
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
             sequence.tokens.append(token)

@@ -19,6 +19,7 @@ import torch
 
 from training.chat_format import ToolCallParseError, encode_messages, parse_assistant_output
 from training.checkpoint import CONFIG_FILE, load_checkpoint
+from training.copy_constraint import CopyConstraint, CopyVocabulary, copy_sources
 from training.engine import EngineConfig, GenerationEngine, GenerationResult, SamplingParams, TokenEvent
 from training.model.transformer import MoETransformer
 from training.tokenizer import TOOL_CALLS_START, BPETokenizer
@@ -102,10 +103,14 @@ class ChatModel:
         *,
         name: str = "flowstate",
         engine_config: EngineConfig | None = None,
+        copy_constraint: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        self.copy_constraint = copy_constraint
+        """Constrain edit_file's old_str to text of the conversation's tool results (training.copy_constraint)."""
+        self._copy_vocabulary: CopyVocabulary | None = None
         self.engine = GenerationEngine(model, config=engine_config)
         self._inbox: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name=f"chat-model-{name}", daemon=True)
@@ -120,10 +125,11 @@ class ChatModel:
         *,
         engine_config: EngineConfig | None = None,
         device: str | torch.device = "cpu",
+        copy_constraint: bool = True,
     ) -> ChatModel:
         model, tokenizer, meta = load_checkpoint(checkpoint_dir, device=device)
         name = str(meta.get("name") or Path(checkpoint_dir).resolve().name)
-        return cls(model, tokenizer, name=name, engine_config=engine_config)
+        return cls(model, tokenizer, name=name, engine_config=engine_config, copy_constraint=copy_constraint)
 
     @classmethod
     def shared(cls, checkpoint_dir: str | Path) -> ChatModel:
@@ -198,6 +204,7 @@ class ChatModel:
             top_p=top_p,
             seed=seed,
             stop_token_ids=self.tokenizer.stop_token_ids,
+            constraint=self._copy_constraint(messages) if tools and self.copy_constraint else None,
         )
         submission = _Submission(prompt_ids, params, queue.Queue())
         self._inbox.put(submission)
@@ -255,6 +262,14 @@ class ChatModel:
             self._worker.join(timeout=30)
 
     # ------------------------------------------------------------------ internals
+    def _copy_constraint(self, messages: Sequence[dict[str, Any]]) -> CopyConstraint | None:
+        sources = copy_sources(messages)
+        if not sources:
+            return None
+        if self._copy_vocabulary is None:
+            self._copy_vocabulary = CopyVocabulary(self.tokenizer)
+        return CopyConstraint(self._copy_vocabulary, sources)
+
     def _next_event(self, submission: _Submission, timeout_s: float | None) -> TokenEvent | BaseException:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

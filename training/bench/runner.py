@@ -72,6 +72,9 @@ class BenchConfig:
     disable_tools: tuple[str, ...] = ()
     """Tools offered as usual but refused with an error when called: the prompt stays identical, so
     the comparison isolates what the tool's results add (e.g. ("semantic_search",))."""
+    copy_constraint: bool = True
+    """checkpoint: policies only: edit_file's old_str can only be copied from the conversation's tool
+    results (training.copy_constraint), as the product serves the model; False samples it freely."""
 
     def __post_init__(self) -> None:
         suite_tasks_count(self.suite)
@@ -222,7 +225,7 @@ def _policy_factory(config: BenchConfig) -> tuple[Callable[[CodingTask, int], ob
         from training.serving import ChatModel
         from training.train.rollouts import LocalModelPolicy
 
-        chat_model = ChatModel.load(config.policy.split(":", 1)[1])
+        chat_model = ChatModel.load(config.policy.split(":", 1)[1], copy_constraint=config.copy_constraint)
         return (
             lambda task, attempt: LocalModelPolicy(chat_model, seed=1000 * attempt + len(task.task_id))
         ), (chat_model.close)

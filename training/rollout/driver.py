@@ -163,6 +163,9 @@ class AsyncRLConfig:
     must be below 1 so a pass always scores highest. Held-out evaluation never uses it. On the toy tier's
     1.1M-parameter policy 0.3 cost 6 points of held-out pass@1 (BENCHMARKS.md, stop 35): the all-fail groups
     it trains sharpen failing edits."""
+    copy_constraint: bool = True
+    """The inference actors let edit_file's old_str be only text of the conversation's tool results
+    (training.copy_constraint), exactly as the product serves the model; False samples it freely."""
     sandbox_backend: str | None = None
     """Sandbox backend the rollout workers use (None: the configured default)."""
     ray_address: str | None = None
@@ -282,7 +285,7 @@ def task_for_group(config: AsyncRLConfig, group_index: int):
 class InferenceServer:
     """Body of the inference actor: a ChatModel whose weights carry a version number."""
 
-    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int) -> None:
+    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int, copy_constraint: bool = True) -> None:
         import torch
 
         from training.engine import EngineConfig
@@ -290,7 +293,9 @@ class InferenceServer:
         from training.train.state import latest_checkpoint, load_train_checkpoint
 
         torch.set_num_threads(1)
-        chat_model = ChatModel.load(checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size))
+        chat_model = ChatModel.load(
+            checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size), copy_constraint=copy_constraint
+        )
         self.chat_model = chat_model
         self.version = 0
         self._weights_lock = threading.Lock()
@@ -734,7 +739,7 @@ def run_async_rl(
     )
     config_data = asdict(config)
     inference_actors = [
-        inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers)
+        inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint)
         for _ in range(config.inference_actors)
     ]
     workers = [worker_cls.remote(config_data) for _ in range(config.rollout_workers)]
