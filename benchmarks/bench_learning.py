@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--no-copy-constraint", dest="copy_constraint", action="store_false",
                         help="sample edit_file's old_str freely instead of only from text of the tool results "
                              "(training.copy_constraint), in rollouts and evaluations")
+    parser.add_argument("--free-rollouts", dest="rollout_copy_constraint", action="store_false",
+                        help="sample old_str freely in the training rollouts only; evaluations keep the product's "
+                             "constrained decoding unless --no-copy-constraint is given")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
@@ -223,7 +226,7 @@ def main() -> None:
         normalize_advantage_std=args.normalize_advantage_std,
         expert_guidance=args.expert_guidance,
         reference_similarity_weight=args.reference_similarity_weight,
-        copy_constraint=args.copy_constraint,
+        copy_constraint=args.copy_constraint and args.rollout_copy_constraint,
         gain_lr_scale=args.gain_lr_scale,
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,
@@ -259,7 +262,8 @@ def main() -> None:
         "training_minutes": round(training_minutes, 1),
         "rollout_temperature": config.temperature,
         "reference_similarity_weight": config.reference_similarity_weight,
-        "copy_constraint": config.copy_constraint,
+        "rollout_copy_constraint": config.copy_constraint,
+        "evaluation_copy_constraint": args.copy_constraint,
         "evaluation_temperature": args.temperature,
         "steps": len(metrics),
         "heldout_before": before,

@@ -318,7 +318,7 @@ def test_bench_learning_compare_and_baseline(tmp_path):
     # A stored baseline made with other settings is refused, saying what differs, before any training.
     stored = summary([1, 1]) | {"config": {"suite": "toy-heldout-2", "policy": "checkpoint:ckpt", "attempts": 4,
                                           "max_turns": 5, "max_tokens_per_turn": 256, "temperature": 1.0,
-                                          "disable_tools": []}}
+                                          "disable_tools": [], "copy_constraint": True}}
     before.write_text(json.dumps(stored))
     refused = subprocess.run(
         [sys.executable, str(script), "--init-checkpoint", "ckpt", "--baseline", str(before), "--heldout", "2",
@@ -326,6 +326,15 @@ def test_bench_learning_compare_and_baseline(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert refused.returncode != 0 and "'temperature': 1.0" in refused.stderr and "'temperature': 0.8" in refused.stderr
+    # ... and so is one evaluated with old_str sampled freely, for a run that constrains it (the default)
+    stored["config"] |= {"temperature": 0.8, "copy_constraint": False}
+    before.write_text(json.dumps(stored))
+    refused = subprocess.run(
+        [sys.executable, str(script), "--init-checkpoint", "ckpt", "--baseline", str(before), "--heldout", "2",
+         "--attempts", "4", "--max-turns", "5", "--temperature", "0.8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert refused.returncode != 0 and "'copy_constraint': False" in refused.stderr
 
 
 def test_demo_seed_is_idempotent(owner, state_dir):
