@@ -427,7 +427,8 @@ class GenerationEngine:
         constrained = [row for row, mask in enumerate(masks) if mask is not None]
         sampled_logits = logits
         if constrained:
-            sampled_logits = logits.float().cpu().clone()
+            unmasked = logits.float().cpu()
+            sampled_logits = unmasked.clone()
             for row in constrained:
                 sampled_logits[row].masked_fill_(~masks[row], float("-inf"))
         tokens, logprobs = sample_tokens(
@@ -439,7 +440,7 @@ class GenerationEngine:
         if constrained:
             rows = torch.tensor(constrained)
             scale = torch.tensor([temperatures[row] or 1.0 for row in constrained])[:, None]
-            unconstrained = (logits.float().cpu()[rows] / scale).log_softmax(dim=-1)
+            unconstrained = (unmasked[rows] / scale).log_softmax(dim=-1)
             logprobs[rows] = unconstrained.gather(1, tokens[rows][:, None]).squeeze(1)
         events = []
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
