@@ -22,9 +22,12 @@ token texts, so a step costs the number of occurrences times the longest token, 
 When no token would be allowed (no tool result yet, or the token that opened the string already
 carried text that is in no source) the step is left unconstrained rather than forced into nonsense.
 
-RL records the logprob of each sampled token under the *unconstrained* distribution, which is what the
-learner recomputes, so the importance ratio stays 1 on-policy; the mask acts like part of the
-environment for the copied tokens.
+The engine records the logprob of each sampled token under the *masked* distribution it was drawn
+from, and returns the masks (GenerationResult.sampling_masks). The RL learner applies the same masks
+before its log-softmax, so the policy it trains is the constrained policy that was sampled (importance
+ratio 1 on-policy): a forced token (one allowed) carries no gradient, and where several continuations
+were allowed (which line to copy) the gradient only moves mass among them. Recording the unconstrained
+logprob instead (stop 36) trained every forced copy token as if the model had chosen it.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class SamplingParams:
 
     constraint: TokenConstraint | None = None
     """Masks the tokens that may come next (training.copy_constraint.CopyConstraint); None: any token.
-    The recorded logprob stays that of the unconstrained distribution (what a learner recomputes)."""
+    The recorded logprob is that of the masked distribution the token was drawn from, and the masks come
+    back in GenerationResult.sampling_masks so that a learner can recompute it."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -114,6 +115,21 @@ class EngineConfig:
 
 
 @dataclass
+class SamplingMasks:
+    """The masks a TokenConstraint applied to one request: what a learner needs to recompute its logprobs."""
+
+    positions: list[int]
+    """Indices into GenerationResult.token_ids of the tokens drawn under a mask, ascending."""
+
+    allowed: torch.Tensor
+    """bool [len(positions), vocab]: the tokens each of those steps could draw."""
+
+    def shifted(self, offset: int) -> SamplingMasks:
+        """The same masks with every position moved by offset (a completion placed after its prompt)."""
+        return SamplingMasks([position + offset for position in self.positions], self.allowed)
+
+
+@dataclass
 class GenerationResult:
     """A finished request."""
 
@@ -123,12 +139,16 @@ class GenerationResult:
     """Generated tokens, including the stop token when finish_reason is "stop"."""
 
     logprobs: list[float]
-    """log p(token) under the temperature-scaled distribution before top-p truncation (raw for greedy)."""
+    """log p(token) under the temperature-scaled distribution before top-p truncation (raw for greedy),
+    after the constraint's mask where one applied (see sampling_masks)."""
 
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None
     """int16 [len(prompt) + len(tokens) - 1, n_layers, top_k]: experts used by every token that was fed to
     the model, i.e. exactly the routing of a training forward over (prompt + tokens)[:-1]."""
+
+    sampling_masks: SamplingMasks | None = None
+    """The constraint's masks, when SamplingParams.constraint masked any step; None otherwise."""
 
 
 @dataclass
@@ -166,6 +186,8 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routing: list[torch.Tensor] = field(default_factory=list)
+    mask_positions: list[int] = field(default_factory=list)
+    mask_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class GenerationEngine:
@@ -427,21 +449,17 @@ class GenerationEngine:
         constrained = [row for row, mask in enumerate(masks) if mask is not None]
         sampled_logits = logits
         if constrained:
-            unmasked = logits.float().cpu()
-            sampled_logits = unmasked.clone()
+            sampled_logits = logits.float().cpu().clone()  # the model's output buffer stays as it was
             for row in constrained:
                 sampled_logits[row].masked_fill_(~masks[row], float("-inf"))
+                sequences[row].mask_positions.append(len(sequences[row].tokens))
+                sequences[row].mask_rows.append(masks[row])
         tokens, logprobs = sample_tokens(
             sampled_logits,
             temperatures=temperatures,
             top_ps=[s.params.top_p for s in sequences],
             generators=[s.generator for s in sequences],
         )
-        if constrained:
-            rows = torch.tensor(constrained)
-            scale = torch.tensor([temperatures[row] or 1.0 for row in constrained])[:, None]
-            unconstrained = (unmasked[rows] / scale).log_softmax(dim=-1)
-            logprobs[rows] = unconstrained.gather(1, tokens[rows][:, None]).squeeze(1)
         events = []
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
             sequence.tokens.append(token)
@@ -469,6 +487,8 @@ class GenerationEngine:
             logprobs=sequence.logprobs,
             finish_reason=reason,
             routed_experts=routing,
+            sampling_masks=SamplingMasks(sequence.mask_positions, torch.stack(sequence.mask_rows))
+            if sequence.mask_rows else None,
         )
 
     def _release(self, slot: int) -> None:

@@ -20,7 +20,7 @@ import torch
 from training.chat_format import ToolCallParseError, encode_messages, parse_assistant_output
 from training.checkpoint import CONFIG_FILE, load_checkpoint
 from training.copy_constraint import CopyConstraint, CopyVocabulary, copy_sources
-from training.engine import EngineConfig, GenerationEngine, GenerationResult, SamplingParams, TokenEvent
+from training.engine import EngineConfig, GenerationEngine, GenerationResult, SamplingMasks, SamplingParams, TokenEvent
 from training.model.transformer import MoETransformer
 from training.tokenizer import TOOL_CALLS_START, BPETokenizer
 
@@ -62,6 +62,10 @@ class ChatCompletion:
     weights_version: int = 0
     """ChatModel.weights_version when the turn finished (tokens may span an in-flight update)."""
 
+    sampling_masks: SamplingMasks | None = None
+    """The copy constraint's masks (see GenerationResult.sampling_masks): logprobs at those positions are
+    the masked distribution's, so a learner must apply the same masks to recompute them."""
+
     def flowstate_extension(self) -> dict[str, Any]:
         """JSON-serialisable RL data for the OpenAI-compatible endpoint's "flowstate" response field."""
         return {
@@ -70,6 +74,10 @@ class ChatCompletion:
             "logprobs": self.logprobs,
             "routed_experts": None if self.routed_experts is None else self.routed_experts.tolist(),
             "parse_error": self.parse_error,
+            "sampling_masks": None if self.sampling_masks is None else {
+                "positions": self.sampling_masks.positions,
+                "allowed_token_ids": [row.nonzero().flatten().tolist() for row in self.sampling_masks.allowed],
+            },
         }
 
 
@@ -316,6 +324,7 @@ class ChatModel:
             prompt_token_ids=result.prompt_token_ids,
             parse_error=parse_error,
             weights_version=self.weights_version,
+            sampling_masks=result.sampling_masks,
         )
 
     def _serve(self) -> None:

@@ -121,7 +121,7 @@ def test_the_constraint_follows_a_growing_generation_incrementally(tokenizer, vo
     assert constraint.constrained_steps == len(tokenizer.encode("        return a + b")) + 1
 
 
-def test_engine_samples_only_allowed_tokens_and_records_unconstrained_logprobs():
+def test_engine_samples_only_allowed_tokens_and_records_the_masked_logprobs_and_masks():
     torch.manual_seed(0)
     model, _, _ = load_checkpoint(SFT_CHECKPOINT)
     engine = GenerationEngine(model, config=EngineConfig(max_batch_size=2, prefix_cache_size=0))
@@ -140,10 +140,19 @@ def test_engine_samples_only_allowed_tokens_and_records_unconstrained_logprobs()
     )
     assert all(token % 2 == 0 for token in constrained.token_ids)
     assert any(token % 2 for token in free.token_ids), "the unconstrained row is not masked by its neighbour"
+    assert free.sampling_masks is None
+    masks = constrained.sampling_masks
+    assert masks.positions == list(range(len(constrained.token_ids)))
+    assert masks.allowed.shape == (len(constrained.token_ids), model.config.vocab_size)
+    assert bool(masks.allowed[:, ::2].all()) and not bool(masks.allowed[:, 1::2].any())
     with torch.no_grad():
         logits = model(torch.tensor([prompt + constrained.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
-    expected = logits.log_softmax(-1).gather(1, torch.tensor(constrained.token_ids)[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(constrained.logprobs), expected, atol=2e-4, rtol=0)
+    targets = torch.tensor(constrained.token_ids)[:, None]
+    masked = logits.masked_fill(~masks.allowed, float("-inf")).log_softmax(-1).gather(1, targets).squeeze(1)
+    unconstrained = logits.log_softmax(-1).gather(1, targets).squeeze(1)
+    torch.testing.assert_close(torch.tensor(constrained.logprobs), masked, atol=2e-4, rtol=0)
+    # removing half the vocabulary must raise every recorded probability (this is not the unconstrained logprob)
+    assert bool((masked > unconstrained + 1e-3).all())
 
 
 def _served_old_str(chat_model: ChatModel, seed: int) -> str:

@@ -375,3 +375,57 @@ def test_segment_entropy_matches_the_full_softmax_at_the_sampled_tokens(checkpoi
     torch.testing.assert_close(
         logprobs, segment_logprobs(model, batch, temperature=0.8, routing_replay=True), rtol=0, atol=0
     )
+
+
+def test_the_learner_applies_the_constraint_masks_a_rollout_was_sampled_under(checkpoint):
+    # Two merged calls of one rollout, each with tokens drawn under a copy-constraint mask. The learner's
+    # logprobs there must be the masked distribution's (what the engine recorded): a forced token has
+    # logprob 0, entropy 0 and no gradient; a token drawn among several gets the renormalised probability.
+    from training.engine import SamplingMasks
+    from training.train.rollouts import RolloutRecord, Segment
+
+    model, _, _ = load_checkpoint(checkpoint)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(11)
+    first_prompt = torch.randint(8, 2000, (30,), generator=generator).tolist()
+    first_completion = torch.randint(8, 2000, (6,), generator=generator).tolist()
+    second_prompt = first_prompt + first_completion + torch.randint(8, 2000, (9,), generator=generator).tolist()
+    second_completion = torch.randint(8, 2000, (5,), generator=generator).tolist()
+    forced = torch.zeros(1, vocab, dtype=torch.bool)
+    forced[0, first_completion[2]] = True
+    among_three = torch.zeros(2, vocab, dtype=torch.bool)
+    for row, position in enumerate((1, 3)):
+        among_three[row, [second_completion[position], 5, 6]] = True
+    segments = [
+        Segment(first_prompt, first_completion, [-1.0] * 6, None, SamplingMasks([2], forced)),
+        Segment(second_prompt, second_completion, [-1.0] * 5, None, SamplingMasks([1, 3], among_three)),
+    ]
+    record = RolloutRecord(task_id="t", group=0, valid=True, reward=1.0, passed=True, segments=segments)
+    (batch,) = segments_to_batches(records=[record], advantages=torch.tensor([1.0]), micro_batch_size=1, pad_id=0,
+                                   with_routing=False)
+    first, second = len(first_prompt) - 1, len(second_prompt) - 1
+    assert batch.masked_positions.tolist() == [[0, first + 2], [0, second + 1], [0, second + 3]]
+    assert torch.equal(batch.masked_allowed, torch.cat([forced, among_three]))
+
+    model.zero_grad()
+    logprobs, entropies = segment_logprobs_and_entropy(model, batch, temperature=0.8, routing_replay=False)
+    with torch.no_grad():
+        full = model(batch.input_ids).logits[0] / 0.8
+    free = full.log_softmax(-1).gather(1, batch.targets[0][:, None]).squeeze(1)
+    mask = batch.loss_mask[0].bool()
+    assert logprobs[0, first + 2] == 0 and entropies[0, first + 2] == 0
+    for row, position in enumerate((second + 1, second + 3)):
+        allowed = full[position].masked_fill(~among_three[row], float("-inf")).log_softmax(-1)
+        torch.testing.assert_close(logprobs[0, position], allowed[batch.targets[0, position]], rtol=1e-5, atol=1e-5)
+        assert logprobs[0, position] > free[position]
+        assert 0 < entropies[0, position] <= torch.log(torch.tensor(3.0)) + 1e-5
+    unmasked = mask.clone()
+    unmasked[[first + 2, second + 1, second + 3]] = False
+    torch.testing.assert_close(logprobs[0][unmasked], free[unmasked], rtol=1e-5, atol=1e-5)
+
+    # the forced token alone contributes nothing to the gradient (and no NaN from its -inf logits)
+    only_forced = torch.zeros_like(logprobs)
+    only_forced[0, first + 2] = 1.0
+    ((logprobs + entropies) * only_forced).sum().backward()
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    assert gradients and all(torch.isfinite(g).all() and not g.any() for g in gradients)

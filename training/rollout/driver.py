@@ -332,6 +332,7 @@ class InferenceServer:
             "token_ids": list(completion.token_ids),
             "logprobs": list(completion.logprobs),
             "routed_experts": completion.routed_experts,
+            "sampling_masks": completion.sampling_masks,
             "version": version,
         }
 
@@ -378,6 +379,7 @@ class RemoteInferencePolicy:
                 token_ids=result["token_ids"],
                 logprobs=result["logprobs"],
                 routed_experts=result["routed_experts"],
+                sampling_masks=result["sampling_masks"],
             )
         )
         self.versions.append(result["version"])

@@ -37,7 +37,7 @@ import torch
 
 from training.agent.config import AgentLimits
 from training.checkpoint import load_checkpoint
-from training.engine import EngineConfig
+from training.engine import EngineConfig, SamplingMasks
 from training.model.transformer import MoETransformer
 from training.serving import ChatModel
 from training.tasks.reward import RewardConfig
@@ -171,6 +171,14 @@ class TrainingSegments:
     routed_experts: torch.Tensor | None
     """int64 [B, T, n_layers, top_k] recorded routing (None without replay or for dense models)."""
 
+    masked_positions: torch.Tensor | None = None
+    """int64 [M, 2] (row, position) of the loss positions whose token was drawn under a constraint's mask;
+    None when no token of the micro-batch was."""
+
+    masked_allowed: torch.Tensor | None = None
+    """bool [M, vocab]: the tokens each of those positions could draw; the learner's logprobs there are
+    taken over these tokens only, as the behaviour policy's were."""
+
 
 def tasks_for_step(config: RLConfig, step: int) -> list:
     from training.tasks.toy import generate_toy_task, toy_task_seeds
@@ -231,14 +239,19 @@ def segments_to_batches(
         loss_mask = torch.zeros(size, length)
         behaviour = torch.zeros(size, length)
         routing = None
+        masked_positions: list[tuple[int, int]] = []
+        masked_allowed: list[torch.Tensor] = []
         for index, (row, _) in enumerate(chunk):
             sequence = torch.tensor(row.tokens, dtype=torch.long)
             n = sequence.shape[0] - 1
             input_ids[index, :n] = sequence[:-1]
             targets[index, :n] = sequence[1:]
-            for first, logprobs in row.completions:
+            for first, logprobs, masks in row.completions:
                 loss_mask[index, first : first + len(logprobs)] = 1.0
                 behaviour[index, first : first + len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+                if masks is not None:
+                    masked_positions.extend((index, first + position) for position in masks.positions)
+                    masked_allowed.append(masks.allowed)
             if with_routing and row.routing:
                 for recorded in row.routing:
                     recorded = recorded.to(torch.long)
@@ -250,6 +263,8 @@ def segments_to_batches(
                 input_ids=input_ids, targets=targets, loss_mask=loss_mask, behaviour_logprobs=behaviour,
                 advantages=torch.tensor([advantage for _, advantage in chunk], dtype=torch.float32),
                 routed_experts=routing,
+                masked_positions=torch.tensor(masked_positions, dtype=torch.long) if masked_positions else None,
+                masked_allowed=torch.cat(masked_allowed) if masked_allowed else None,
             )
         )
     return batches
@@ -259,8 +274,9 @@ def segments_to_batches(
 class _Row:
     tokens: list[int]
     """Prompt and completion of the row's last call."""
-    completions: list[tuple[int, list[float]]]
-    """(input position of the first sampled token's prediction, behaviour logprobs) per merged call."""
+    completions: list[tuple[int, list[float], SamplingMasks | None]]
+    """(input position of the first sampled token's prediction, behaviour logprobs, the constraint's masks)
+    per merged call."""
     routing: list[torch.Tensor]
     """Recorded routing of the calls, the last call's first: written in this order, each earlier call's
     own rows overwrite the later call's copy of its span."""
@@ -270,7 +286,7 @@ def _segment_rows(segments: list, *, merge: bool) -> list[_Row]:
     rows: list[_Row] = []
     for segment in segments:
         tokens = segment.prompt_token_ids + segment.token_ids
-        completion = (len(segment.prompt_token_ids) - 1, list(segment.logprobs))
+        completion = (len(segment.prompt_token_ids) - 1, list(segment.logprobs), segment.sampling_masks)
         routing = [segment.routed_experts] if segment.routed_experts is not None else []
         previous = rows[-1] if rows else None
         if merge and previous is not None and segment.prompt_token_ids[: len(previous.tokens)] == previous.tokens:
@@ -307,9 +323,24 @@ def segment_logprobs_and_entropy(
         compute_router_losses=False,
         logits_mask=mask,
     )
-    log_probs = torch.log_softmax(output.logits.float() / temperature, dim=-1)
+    logits = output.logits.float() / temperature
+    disallowed = None
+    if batch.masked_positions is not None:
+        # Tokens drawn under the copy constraint's mask: their logprobs (and entropies) are those of the masked
+        # distribution, as the behaviour policy recorded them; a forced token (one allowed) carries no gradient.
+        rows, positions = batch.masked_positions.unbind(1)
+        if not bool(mask[rows, positions].all()):
+            raise ValueError("masked_positions must be loss positions (sampled tokens).")
+        loss_index = mask.view(-1).long().cumsum(0) - 1  # position in the flattened loss positions
+        disallowed = torch.zeros(logits.shape[-2:], dtype=torch.bool, device=logits.device)
+        disallowed[loss_index[rows * mask.shape[1] + positions]] = ~batch.masked_allowed.to(logits.device)
+        disallowed = disallowed.view(logits.shape)
+        logits = logits.masked_fill(disallowed, float("-inf"))
+    log_probs = torch.log_softmax(logits, dim=-1)
     sampled = log_probs.gather(-1, batch.targets[mask].long().view(1, -1, 1)).view(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1).view(-1)
+    # a masked token's p log p is 0 * -inf: count it as 0 (and keep NaN out of the backward pass)
+    finite = log_probs if disallowed is None else log_probs.masked_fill(disallowed, 0.0)
+    entropy = -(log_probs.exp() * finite).sum(-1).view(-1)
     zeros = torch.zeros(mask.shape, dtype=sampled.dtype, device=sampled.device)
     return zeros.masked_scatter(mask, sampled), zeros.masked_scatter(mask, entropy)
 

@@ -24,6 +24,7 @@ from sandboxes.base import SandboxBackend, SandboxError, SandboxLimits
 from training.agent.config import AgentLimits
 from training.agent.loop import AgentResult, run_agent
 from training.agent.policy import PolicyError, PolicyToolCall, PolicyTurn
+from training.engine import SamplingMasks
 from training.serving import ChatModel, ServingError
 from training.tasks.base import CodingTask
 from training.tasks.reward import RewardConfig, RewardInfrastructureError, score_rollout
@@ -47,6 +48,10 @@ class Segment:
 
     routed_experts: torch.Tensor | None
     """int [len(prompt) + len(tokens) - 1, n_layers, top_k]: routing of every input position."""
+
+    sampling_masks: SamplingMasks | None = None
+    """Masks the copy constraint applied to token_ids (positions index token_ids); the learner applies them
+    again so that its logprobs are those of the distribution the tokens were drawn from."""
 
 
 @dataclass
@@ -123,6 +128,7 @@ class LocalModelPolicy:
                 token_ids=list(completion.token_ids),
                 logprobs=list(completion.logprobs),
                 routed_experts=completion.routed_experts,
+                sampling_masks=completion.sampling_masks,
             )
         )
         calls = [
