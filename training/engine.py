@@ -124,10 +124,6 @@ class SamplingMasks:
     allowed: torch.Tensor
     """bool [len(positions), vocab]: the tokens each of those steps could draw."""
 
-    def shifted(self, offset: int) -> SamplingMasks:
-        """The same masks with every position moved by offset (a completion placed after its prompt)."""
-        return SamplingMasks([position + offset for position in self.positions], self.allowed)
-
 
 @dataclass
 class GenerationResult:

@@ -46,6 +46,7 @@ def test_official_openai_client_against_the_endpoint(builtin_model, owner, asgi_
     extension = response.model_extra["flowstate"]
     assert len(extension["token_ids"]) == response.usage.completion_tokens == len(extension["logprobs"])
     assert len(extension["prompt_token_ids"]) == response.usage.prompt_tokens
+    assert extension["sampling_masks"] is None  # no tool result yet: nothing to copy, nothing masked
 
     chunks = list(client.chat.completions.create(model="flowstate", messages=messages, tools=TOOLS, max_tokens=12,
                                                  temperature=0, seed=3, stream=True,

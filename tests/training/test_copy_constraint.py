@@ -208,3 +208,17 @@ def test_chat_model_builds_the_constraint_only_when_enabled(tmp_path):
     finally:
         enabled.close()
         disabled.close()
+
+
+def test_the_api_extension_lists_the_masks_as_token_ids():
+    from training.engine import SamplingMasks
+    from training.serving import ChatCompletion
+
+    allowed = torch.zeros(2, 16, dtype=torch.bool)
+    allowed[0, [3, 7]] = True
+    allowed[1, 9] = True
+    completion = ChatCompletion(content="", tool_calls=[], prompt_tokens=4, completion_tokens=5,
+                                token_ids=[1, 3, 9, 2, 0], logprobs=[-0.5, -0.1, 0.0, -1.0, -0.2], routed_experts=None,
+                                sampling_masks=SamplingMasks([1, 2], allowed))
+    extension = json.loads(json.dumps(completion.flowstate_extension()))
+    assert extension["sampling_masks"] == {"positions": [1, 2], "allowed_token_ids": [[3, 7], [9]]}
