@@ -20,7 +20,14 @@ import torch
 from training.chat_format import ToolCallParseError, encode_messages, parse_assistant_output
 from training.checkpoint import CONFIG_FILE, load_checkpoint
 from training.copy_constraint import CopyConstraint, CopyVocabulary, copy_sources
-from training.engine import EngineConfig, GenerationEngine, GenerationResult, SamplingMasks, SamplingParams, TokenEvent
+from training.engine import (
+    EngineConfig,
+    GenerationEngine,
+    GenerationResult,
+    SamplingMasks,
+    SamplingParams,
+    TokenEvent,
+)
 from training.model.transformer import MoETransformer
 from training.tokenizer import TOOL_CALLS_START, BPETokenizer
 
