@@ -331,9 +331,9 @@ def segment_logprobs_and_entropy(
         rows, positions = batch.masked_positions.unbind(1)
         if not bool(mask[rows, positions].all()):
             raise ValueError("masked_positions must be loss positions (sampled tokens).")
-        loss_index = mask.view(-1).long().cumsum(0) - 1  # position in the flattened loss positions
+        loss_index = (mask.view(-1).long().cumsum(0) - 1).view(mask.shape)  # row of each loss position's logits
         disallowed = torch.zeros(logits.shape[-2:], dtype=torch.bool, device=logits.device)
-        disallowed[loss_index[rows * mask.shape[1] + positions]] = ~batch.masked_allowed.to(logits.device)
+        disallowed[loss_index[rows, positions]] = ~batch.masked_allowed.to(logits.device)
         disallowed = disallowed.view(logits.shape)
         logits = logits.masked_fill(disallowed, float("-inf"))
     log_probs = torch.log_softmax(logits, dim=-1)
