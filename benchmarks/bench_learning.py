@@ -29,7 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.bench.runner import BenchConfig, paired_pass_at_1_difference, run_benchmark
+from training.bench.runner import (
+    BenchConfig,
+    paired_pass_at_1_difference,
+    paired_task_changes,
+    run_benchmark,
+    suite_tasks,
+)
 from training.rollout.driver import METRICS_FILE, AsyncRLConfig, read_jsonl, run_async_rl
 from training.train.objective_options import ENTROPY_SCOPES
 from training.train.state import latest_checkpoint
@@ -70,6 +76,25 @@ def load_baseline(args: argparse.Namespace) -> dict:
             "the starting checkpoint with these settings (--evaluate-only ... --output) or leave --baseline out"
         )
     return summary
+
+
+def heldout_task_changes(before: dict, after: dict) -> dict:
+    """`paired_task_changes` of two evaluations of the same suite, with the suite's bug kinds."""
+    kinds = {task.task_id: task.mutation_kind for task in suite_tasks(after["config"]["suite"])}
+    return paired_task_changes(before["per_task"], after["per_task"], kinds)
+
+
+def print_task_changes(changes: dict) -> None:
+    print(
+        f"tasks up / down / same: {changes['up']} / {changes['down']} / {changes['same']}; all attempts passed "
+        f"{changes['all_passed'][0]} -> {changes['all_passed'][1]}; none passed {changes['none_passed'][0]} -> "
+        f"{changes['none_passed'][1]} ({changes['none_passed_in_both']} in both)"
+    )
+    for kind, row in changes["by_kind"].items():
+        print(
+            f"  {kind:<18} {row['tasks']:>3} tasks  pass@1 {row['pass_at_1'][0]:.2f} -> {row['pass_at_1'][1]:.2f}"
+            f"  none passed in both: {row['none_passed_in_both']}"
+        )
 
 
 def unpaired_difference_interval(before: dict, after: dict) -> tuple[float, float, float]:
@@ -165,6 +190,7 @@ def main() -> None:
             f"pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f}: {100 * difference:+.1f} points, "
             f"paired 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] over {tasks} tasks"
         )
+        print_task_changes(heldout_task_changes(before, after))
         return
     if args.init_checkpoint is None and args.evaluate_only is None:
         # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
@@ -279,10 +305,11 @@ def main() -> None:
         report["pass_at_1_gain_paired_tasks"] = paired_tasks
         _, low, high = unpaired_difference_interval(before, after)
         report["pass_at_1_gain_unpaired_ci95_points"] = [round(100 * low, 1), round(100 * high, 1)]
+        report["heldout_task_changes"] = heldout_task_changes(before, after)
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.run_dir) / "learning_report.json").write_text(json.dumps(report, indent=2))
     # Per-task rows and curves stay in the file; the console gets the figures.
-    printed = {key: value for key, value in report.items() if key != "curves"}
+    printed = {key: value for key, value in report.items() if key not in ("curves", "heldout_task_changes")}
     for key in ("heldout_before", "heldout_after", "heldout_after_without_semantic_search"):
         if printed[key] is not None:
             printed[key] = {k: v for k, v in printed[key].items() if k != "per_task"}
@@ -295,6 +322,7 @@ def main() -> None:
             f"after {training_minutes:.1f} min / {len(metrics)} steps; ratio after/before "
             f"{(after['pass_at_1'] or 0) / max(before['pass_at_1'] or 0, 1e-9):.2f}"
         )
+        print_task_changes(report["heldout_task_changes"])
     else:
         print("no training step finished within the budget: nothing to evaluate")
 

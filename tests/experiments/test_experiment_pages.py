@@ -295,6 +295,31 @@ def test_paired_difference_interval():
         paired_pass_at_1_difference(rows([1]), rows([1]))
 
 
+def test_paired_task_changes_say_where_a_gain_comes_from():
+    from training.bench.runner import BenchConfigError, paired_task_changes
+
+    def rows(passes, attempts=4):
+        return [{"task_id": f"t{i}", "attempts": attempts, "passes": c} for i, c in enumerate(passes)]
+
+    kinds = {"t0": "off_by_one", "t1": "off_by_one", "t2": "compare_swap", "t3": "off_by_one", "t4": "compare_swap"}
+    changes = paired_task_changes(rows([0, 2, 4, 1, 0]), rows([0, 4, 3, 1, 2]), kinds)
+    assert (changes["tasks"], changes["up"], changes["down"], changes["same"]) == (5, 2, 1, 2)
+    assert changes["all_passed"] == [1, 1] and changes["none_passed"] == [2, 1]
+    assert changes["none_passed_in_both"] == 1
+    # Kinds come most tasks first; pass@1 is the mean over the kind's tasks on each side.
+    assert list(changes["by_kind"]) == ["off_by_one", "compare_swap"]
+    off_by_one = changes["by_kind"]["off_by_one"]
+    assert off_by_one["tasks"] == 3 and off_by_one["none_passed_in_both"] == 1
+    assert off_by_one["pass_at_1"] == [pytest.approx(0.25), pytest.approx(5 / 12)]
+    assert changes["by_kind"]["compare_swap"]["pass_at_1"] == [pytest.approx(0.5), pytest.approx(0.625)]
+    # A task scored on one side only is left out, as in the paired interval.
+    after = rows([0, 4, 3, 1, 2])
+    after[4]["attempts"] = 0
+    assert paired_task_changes(rows([0, 2, 4, 1, 0]), after, kinds)["by_kind"]["compare_swap"]["tasks"] == 1
+    with pytest.raises(BenchConfigError, match="no bug kind"):
+        paired_task_changes(rows([0, 1]), rows([1, 1]), {"t0": "off_by_one"})
+
+
 def test_bench_learning_compare_and_baseline(tmp_path):
     import subprocess
     import sys

@@ -20,7 +20,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -172,6 +172,52 @@ def paired_pass_at_1_difference(
     mean = statistics.fmean(differences)
     half = z * statistics.stdev(differences) / math.sqrt(n)
     return mean, mean - half, mean + half, n
+
+
+def paired_task_changes(before: list[dict], after: list[dict], kinds: Mapping[str, str]) -> dict:
+    """Where a before/after pass@1 difference comes from, over the tasks scored in both runs.
+
+    ``before`` and ``after`` are benchmark ``per_task`` rows; ``kinds`` maps a task id to its bug kind
+    (``CodingTask.mutation_kind``). Counts the tasks whose passes went up, down or stayed, the tasks
+    every attempt passed and none did on each side, and per kind the pass@1 before and after and the
+    tasks no attempt passed in either run: sharpening turns some-of-k tasks into k-of-k, while a
+    task at none-of-k in both is one the policy never learned to solve.
+    """
+    before_by_task = {row["task_id"]: row for row in before if row["attempts"] > 0}
+    pairs = [
+        (before_by_task[row["task_id"]], row)
+        for row in after
+        if row["attempts"] > 0 and row["task_id"] in before_by_task
+    ]
+    missing = sorted({old["task_id"] for old, _ in pairs} - set(kinds))
+    if missing:
+        raise BenchConfigError(f"no bug kind for tasks {missing[:3]}: pass the kinds of the suite both runs used")
+    changes = {
+        "tasks": len(pairs),
+        "up": 0, "down": 0, "same": 0,
+        "all_passed": [0, 0], "none_passed": [0, 0], "none_passed_in_both": 0,
+        "by_kind": {},
+    }
+    for old, new in pairs:
+        rate_before = pass_at_k(n=old["attempts"], c=old["passes"], k=1)
+        rate_after = pass_at_k(n=new["attempts"], c=new["passes"], k=1)
+        changes["up" if rate_after > rate_before else "down" if rate_after < rate_before else "same"] += 1
+        for side, row in enumerate((old, new)):
+            changes["all_passed"][side] += row["passes"] == row["attempts"]
+            changes["none_passed"][side] += row["passes"] == 0
+        never = old["passes"] == 0 and new["passes"] == 0
+        changes["none_passed_in_both"] += never
+        kind = changes["by_kind"].setdefault(
+            kinds[old["task_id"]], {"tasks": 0, "pass_at_1": [0.0, 0.0], "none_passed_in_both": 0}
+        )
+        kind["tasks"] += 1
+        kind["pass_at_1"][0] += rate_before
+        kind["pass_at_1"][1] += rate_after
+        kind["none_passed_in_both"] += never
+    for kind in changes["by_kind"].values():
+        kind["pass_at_1"] = [total / kind["tasks"] for total in kind["pass_at_1"]]
+    changes["by_kind"] = dict(sorted(changes["by_kind"].items(), key=lambda item: (-item[1]["tasks"], item[0])))
+    return changes
 
 
 @dataclass
