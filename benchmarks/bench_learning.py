@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="updates of linear learning-rate warmup")
     parser.add_argument("--max-updates", type=int, default=None,
                         help="stop after this many updates even within --minutes; the lr schedule counts "
-                             "updates, so --min-lr-ratio needs it (2-core machines made 362 to 675 per hour: "
+                             "updates, so --min-lr-ratio needs it (2-core machines made 289 to 870 per hour: "
                              "measure yours first)")
     parser.add_argument("--min-lr-ratio", type=float, default=1.0,
                         help="lr at --max-updates as a fraction of --lr (cosine decay; 1 keeps lr constant)")
