@@ -148,6 +148,16 @@ def wilson_interval(successes: float, total: int, z: float = 1.96) -> tuple[floa
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def _scored_task_pairs(before: list[dict], after: list[dict]) -> list[tuple[dict, dict]]:
+    """(before row, after row) of every task with a scored attempt in both runs, in ``after``'s order."""
+    before_by_task = {row["task_id"]: row for row in before if row["attempts"] > 0}
+    return [
+        (before_by_task[row["task_id"]], row)
+        for row in after
+        if row["attempts"] > 0 and row["task_id"] in before_by_task
+    ]
+
+
 def paired_pass_at_1_difference(
     before: list[dict], after: list[dict], z: float = 1.96
 ) -> tuple[float, float, float, int]:
@@ -159,12 +169,9 @@ def paired_pass_at_1_difference(
     difference; treating the two evaluations as independent samples would count it twice.
     Returns (difference, low, high, tasks compared).
     """
-    before_by_task = {row["task_id"]: row for row in before if row["attempts"] > 0}
     differences = [
-        pass_at_k(n=row["attempts"], c=row["passes"], k=1)
-        - pass_at_k(n=before_by_task[row["task_id"]]["attempts"], c=before_by_task[row["task_id"]]["passes"], k=1)
-        for row in after
-        if row["attempts"] > 0 and row["task_id"] in before_by_task
+        pass_at_k(n=new["attempts"], c=new["passes"], k=1) - pass_at_k(n=old["attempts"], c=old["passes"], k=1)
+        for old, new in _scored_task_pairs(before, after)
     ]
     n = len(differences)
     if n < 2:
@@ -183,12 +190,7 @@ def paired_task_changes(before: list[dict], after: list[dict], kinds: Mapping[st
     tasks no attempt passed in either run: sharpening turns some-of-k tasks into k-of-k, while a
     task at none-of-k in both is one the policy never learned to solve.
     """
-    before_by_task = {row["task_id"]: row for row in before if row["attempts"] > 0}
-    pairs = [
-        (before_by_task[row["task_id"]], row)
-        for row in after
-        if row["attempts"] > 0 and row["task_id"] in before_by_task
-    ]
+    pairs = _scored_task_pairs(before, after)
     missing = sorted({old["task_id"] for old, _ in pairs} - set(kinds))
     if missing:
         raise BenchConfigError(f"no bug kind for tasks {missing[:3]}: pass the kinds of the suite both runs used")
