@@ -190,7 +190,10 @@ def main() -> None:
             f"pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f}: {100 * difference:+.1f} points, "
             f"paired 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] over {tasks} tasks"
         )
-        print_task_changes(heldout_task_changes(before, after))
+        if "config" in after:
+            print_task_changes(heldout_task_changes(before, after))
+        else:
+            print("no suite recorded in AFTER_JSON (not an --evaluate-only --output file): changes by bug kind left out")
         return
     if args.init_checkpoint is None and args.evaluate_only is None:
         # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.

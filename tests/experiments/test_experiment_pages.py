@@ -339,6 +339,23 @@ def test_bench_learning_compare_and_baseline(tmp_path):
     ).stdout
     # d = (+0.5, 0, -0.25, +0.75): +25 points, half-width 1.96 * 0.4564 / 2 = 44.7 points.
     assert "pass@1 0.375 -> 0.625: +25.0 points, paired 95% CI [-19.7, +69.7] over 4 tasks" in out
+    assert "changes by bug kind left out" in out
+
+    # Evaluation outputs name their suite, so the comparison also says which tasks and bug kinds moved.
+    from training.bench.runner import suite_tasks
+
+    tasks = suite_tasks("toy-heldout-4")
+    for path, passes in ((before, [0, 2, 3, 1]), (after, [2, 2, 2, 4])):
+        evaluated = summary(passes) | {"config": {"suite": "toy-heldout-4"}}
+        for row, task in zip(evaluated["per_task"], tasks):
+            row["task_id"] = task.task_id
+        path.write_text(json.dumps(evaluated))
+    out = subprocess.run(
+        [sys.executable, str(script), "--compare", str(before), str(after)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert "tasks up / down / same: 2 / 1 / 1; all attempts passed 0 -> 1; none passed 1 -> 0 (0 in both)" in out
+    assert f"  {tasks[0].mutation_kind:<18}" in out
 
     # A stored baseline made with other settings is refused, saying what differs, before any training.
     stored = summary([1, 1]) | {"config": {"suite": "toy-heldout-2", "policy": "checkpoint:ckpt", "attempts": 4,
