@@ -7,8 +7,10 @@ driver killed mid-run, resume without double counting) in test_experiment_pages.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,6 +44,8 @@ def test_config_errors_explain_the_fix(checkpoint, tmp_path):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), min_lr_ratio=1.5)
     with pytest.raises(AsyncRLConfigError, match=r"lr_decay_fraction must be in \(0, 1\]"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), lr_decay_fraction=0.0)
+    with pytest.raises(AsyncRLConfigError, match=r"time_budget_minutes must be > 0 \(leave it empty"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), time_budget_minutes=0.0)
     with pytest.raises(AsyncRLConfigError, match=r"probe_size must be 0 \(no probing\) or between 2 and group_size - 1 = 3"):
         AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(checkpoint), group_size=4, probe_size=4)
     assert AsyncRLConfig(
@@ -91,6 +95,45 @@ def test_rollouts_run_on_fleet_sandbox_hosts_and_the_lr_schedule_follows_version
     assert [row["kl_to_reference"] for row in metrics] == [None, None, None]
     # Cosine from lr to 0.1 lr over the 3 versions: 1, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25.
     assert [row["lr"] for row in metrics] == pytest.approx([1e-3, 0.775e-3, 0.325e-3])
+
+
+def test_a_time_budget_stops_the_run_and_ends_its_lr_decay_on_the_clock(checkpoint, tmp_path):
+    """No update count ends this run: its 30-second budget does. The lr follows the clock (Ray's start
+    counts, so the second update's lr is already well down a cosine over the budget, where the schedule's
+    1,000 steps alone would have moved it by a millionth), and the spent budget is kept in the checkpoint,
+    so starting the finished run again trains nothing."""
+    from training.rollout.driver import METRICS_FILE, STATUS_FILE, read_jsonl, run_async_rl
+    from training.train.state import TRAINER_STATE_FILE, latest_checkpoint
+
+    config = AsyncRLConfig(
+        run_dir=str(tmp_path / "run"),
+        init_checkpoint=str(checkpoint),
+        steps=1000,
+        time_budget_minutes=0.5,
+        lr=1e-3,
+        min_lr_ratio=0.1,
+        tasks=200,
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        rollout_workers=2,
+        max_turns=1,
+        max_tokens_per_turn=8,
+        ray_num_cpus=1,
+    )
+    started = time.monotonic()
+    history = run_async_rl(config)
+    assert 2 <= len(history) < 1000
+    assert time.monotonic() - started < 30 + 60  # the budget, plus the update in progress and Ray's shutdown
+    lrs = [row["lr"] for row in history]
+    assert lrs[0] == pytest.approx(1e-3)
+    assert lrs[1] < 0.99e-3 and all(later <= earlier for earlier, later in zip(lrs, lrs[1:]))
+    status = json.loads((tmp_path / "run" / STATUS_FILE).read_text())
+    assert status["state"] == "finished"
+    position = json.loads((latest_checkpoint(tmp_path / "run") / TRAINER_STATE_FILE).read_text())["data_position"]
+    assert position["training_seconds"] >= 30 - 5  # the last update may end just before the timer
+    assert run_async_rl(config) == []
+    assert len(read_jsonl(tmp_path / "run" / METRICS_FILE)) == len(history)
 
 
 def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):

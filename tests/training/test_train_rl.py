@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -262,6 +263,28 @@ def test_decay_fraction_holds_the_peak_lr_then_anneals_over_the_last_share_of_st
     assert cosine(6) == pytest.approx(0.1 + 0.9 * 0.5) and cosine(3) < 1.0
     with pytest.raises(TrainConfigError, match=r"decay_fraction must be in \(0, 1\]"):
         OptimizerConfig(decay_fraction=0.0)
+
+
+def test_a_clock_moves_the_decay_when_it_is_further_along_than_the_steps():
+    """With a time budget the decay's position is the later of the steps' and the clock's: at 80 % of the
+    budget with few steps taken the lr is already a third of the way down the last 30 %'s cosine, and past
+    the budget it stays at min_lr_ratio; a step count further along than the clock still leads."""
+    model = torch.nn.Linear(4, 4)
+    config = OptimizerConfig(lr=1.0, warmup_steps=2, weight_decay=0.0, min_lr_ratio=0.1, decay_fraction=0.3)
+    clock = {"fraction": 0.0}
+    schedule = build_scheduler(
+        build_optimizer(model, config), config, total_steps=1000, time_fraction=lambda: clock["fraction"]
+    ).lr_lambdas[0]
+    assert schedule(1) == pytest.approx(2 / 3)  # the warmup counts steps whatever the clock says
+    assert schedule(5) == pytest.approx(1.0)
+    clock["fraction"] = 0.6
+    assert schedule(5) == pytest.approx(1.0)  # before the decay's share of the budget
+    clock["fraction"] = 0.8
+    assert schedule(5) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)))
+    clock["fraction"] = 1.5
+    assert schedule(5) == pytest.approx(0.1)
+    clock["fraction"] = 0.0
+    assert schedule(1000) == pytest.approx(0.1)
 
 
 def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpoint):

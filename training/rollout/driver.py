@@ -127,6 +127,12 @@ class AsyncRLConfig:
     lr_decay_fraction: float = 1.0
     """Share of the updates after the warmup over which lr decays to min_lr_ratio * lr (the ones before
     hold lr); 0.25 anneals over the last quarter."""
+    time_budget_minutes: float | None = None
+    """Training wall-clock budget: the run stops when it is spent (after the update in progress), and the
+    lr decay follows the clock as well as the update count (whichever is further along; on the clock it
+    covers the last lr_decay_fraction of the budget), so a clock-bound run ends its decay at the clock
+    whatever rate the machine reaches. Time spent before a pause counts: it is kept in checkpoints. None
+    runs until `steps` updates exist."""
     gain_lr_scale: float = 1.0
     """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
     learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
@@ -215,6 +221,11 @@ class AsyncRLConfig:
             raise AsyncRLConfigError(
                 f"lr_decay_fraction must be in (0, 1] (1 decays over every update after the warmup), "
                 f"got {self.lr_decay_fraction}"
+            )
+        if self.time_budget_minutes is not None and not self.time_budget_minutes > 0:
+            raise AsyncRLConfigError(
+                f"time_budget_minutes must be > 0 (leave it empty to run until `steps` updates), "
+                f"got {self.time_budget_minutes}"
             )
         problem = objective_options_problem(
             negative_advantage_weight=self.negative_advantage_weight,
@@ -599,6 +610,8 @@ class _RunState:
     version: int = 0
     counted_groups: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.monotonic)
+    earlier_training_seconds: float = 0.0
+    """Training time of the run's earlier starts (restored from the checkpoint), for the time budget."""
     generated_samples: int = 0
     abandoned_lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned_groups: list = field(default_factory=list)
@@ -701,8 +714,18 @@ def run_async_rl(
     model.train()
     update_config = update_config_for(config)
     optimizer = build_optimizer(model, update_config.optimizer)
-    lr_schedule = build_scheduler(optimizer, update_config.optimizer, total_steps=config.steps)
     state = _RunState()
+
+    def training_seconds() -> float:
+        return state.earlier_training_seconds + time.monotonic() - state.started_at
+
+    budget_seconds = None if config.time_budget_minutes is None else config.time_budget_minutes * 60
+    lr_schedule = build_scheduler(
+        optimizer,
+        update_config.optimizer,
+        total_steps=config.steps,
+        time_fraction=None if budget_seconds is None else lambda: training_seconds() / budget_seconds,
+    )
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:
         restored = load_train_checkpoint(
@@ -710,11 +733,15 @@ def run_async_rl(
         )
         state.version = int(restored.data_position["version"])
         state.counted_groups = set(restored.data_position["counted_groups"])
+        state.earlier_training_seconds = float(restored.data_position.get("training_seconds", 0.0))
     else:
         torch.manual_seed(config.seed)
     for name in (METRICS_FILE, ROLLOUTS_FILE):
         _truncate_jsonl(run_dir / name, max_step=state.version)
-    if state.version >= config.steps:
+    def budget_spent() -> bool:
+        return budget_seconds is not None and training_seconds() >= budget_seconds
+
+    if state.version >= config.steps or budget_spent():
         return []
     reference_model = reference_model_load(update_config)
 
@@ -921,7 +948,11 @@ def run_async_rl(
             tokenizer=tokenizer,
             optimizer=optimizer,
             scheduler=lr_schedule,
-            data_position={"version": new_version, "counted_groups": sorted(state.counted_groups)},
+            data_position={
+                "version": new_version,
+                "counted_groups": sorted(state.counted_groups),
+                "training_seconds": training_seconds(),
+            },
             run_config={"stage": "async-rl", **config_data},
             metrics=metrics,
             keep_last=config.keep_checkpoints,
@@ -972,6 +1003,11 @@ def run_async_rl(
         with state.abandoned_lock:
             state.abandoned_groups.append(group)
 
+    stop = stop or threading.Event()
+    # The budget's stop works like a pause: dispatching ends, the update in progress is checkpointed.
+    budget_timer = (
+        None if budget_seconds is None else threading.Timer(max(0.0, budget_seconds - training_seconds()), stop.set)
+    )
     learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
     scheduler = RolloutScheduler(
         config=config.scheduler_config,
@@ -994,9 +1030,14 @@ def run_async_rl(
             "inference_pids": ray.get([actor.pid.remote() for actor in inference_actors]),
         },
     )
+    if budget_timer is not None:
+        budget_timer.daemon = True
+        budget_timer.start()
     try:
         scheduler.run(steps=config.steps - state.version)
     finally:
+        if budget_timer is not None:
+            budget_timer.cancel()
         learner.shutdown(wait=True)
         for actor in [*workers, *inference_actors]:
             ray.kill(actor)
@@ -1004,7 +1045,7 @@ def run_async_rl(
             fleet.shutdown()
         if owns_ray:
             ray.shutdown()
-    finished = scheduler.version >= config.steps
+    finished = scheduler.version >= config.steps or budget_spent()
     _write_status(
         run_dir,
         {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": scheduler.version},

@@ -208,14 +208,30 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: OptimizerConfig, *, total_steps: int
+    optimizer: torch.optim.Optimizer,
+    config: OptimizerConfig,
+    *,
+    total_steps: int,
+    time_fraction: Callable[[], float] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr multiplier per step: warmup, hold, then the decay over the last decay_fraction.
+
+    With `time_fraction` (the share of a wall-clock budget spent, read when the schedule steps), the decay's
+    position is the further along of the steps' and the clock's: a run that a clock stops then ends its
+    decay at the clock however many steps the machine managed, where a step count guessed too high would
+    stop it mid-decay and one guessed too low would end it early and idle the rest of the budget. On the
+    clock the decay covers the last decay_fraction of the whole budget (warmup steps included).
+    """
+
     def multiplier(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / (config.warmup_steps + 1)
         decay_steps = config.decay_fraction * (total_steps - config.warmup_steps)
         decay_start = total_steps - decay_steps
         progress = max(0.0, step - decay_start) / max(1.0, decay_steps)
+        if time_fraction is not None:
+            clock_progress = (time_fraction() - (1 - config.decay_fraction)) / config.decay_fraction
+            progress = max(progress, clock_progress)
         cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
 
