@@ -15,6 +15,10 @@ over the held-out tasks, which both evaluations share; the unpaired interval of 
 reported too),
 within 60 minutes on the 2-core development machine. The final checkpoint is the one to ship as the
 demo model (FLOWSTATE_MODEL_CHECKPOINT).
+
+The lr decay (--min-lr-ratio, --lr-decay-fraction) follows the --minutes clock unless --max-updates is
+given, so the run ends its decay when its hour does on a machine of any speed (2-core machines have made
+289 to 870 updates an hour); --max-updates makes it count updates instead, as runs before stop 40 did.
 """
 
 from __future__ import annotations
@@ -284,6 +288,7 @@ def main() -> None:
             "parallel_call_share",
             "staleness_mean",
             "mean_completion_tokens",
+            "lr",
         )
     }
     report = {
@@ -291,6 +296,7 @@ def main() -> None:
         "final_checkpoint": str(final) if final else None,
         "training_minutes": round(training_minutes, 1),
         "rollout_temperature": config.temperature,
+        "lr_schedule": "updates" if config.time_budget_minutes is None else f"clock ({config.time_budget_minutes} min)",
         "reference_similarity_weight": config.reference_similarity_weight,
         "rollout_copy_constraint": config.copy_constraint,
         "evaluation_copy_constraint": args.copy_constraint,

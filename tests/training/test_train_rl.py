@@ -338,6 +338,77 @@ def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpo
     torch.testing.assert_close(merged, separate, rtol=1e-4, atol=1e-6)
 
 
+def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(checkpoint, tmp_path):
+    """Four rollouts of one task: three begin with the same prompt, routed the same way, and share it in the
+    learner (one prefix forward and backward); the fourth was sampled by another policy version that routed
+    the prompt differently, and runs on its own. The update (SGD, so the weights move by the gradient) and
+    its statistics equal those of running every row in full, with the copy constraint's masks, the entropy
+    term and the KL to a reference policy all in play."""
+    import copy
+
+    from training.engine import SamplingMasks
+    from training.train.rl import shared_prefix_groups
+    from training.train.rollouts import RolloutRecord, Segment
+
+    model, _, _ = load_checkpoint(checkpoint)
+    config = model.config
+    generator = torch.Generator().manual_seed(21)
+
+    def tokens(count):
+        return torch.randint(8, 2000, (count,), generator=generator).tolist()
+
+    def routing(count):
+        return torch.randint(0, config.n_experts, (count, config.n_layers, config.top_k), generator=generator)
+
+    prompt = tokens(90)
+    prompt_routing = routing(90)
+    records = []
+    for index in range(4):
+        completion, tool_output, second_completion = tokens(5 + index), tokens(7), tokens(4)
+        first_routing = prompt_routing.clone() if index < 3 else routing(90)
+        # routing covers every input position: all tokens of the call but its last
+        first_routing = torch.cat([first_routing, routing(len(completion) - 1)])
+        second_prompt = prompt + completion + tool_output
+        second_routing = torch.cat([first_routing, routing(1 + len(tool_output) + len(second_completion) - 1)])
+        allowed = torch.zeros(2, config.vocab_size, dtype=torch.bool)
+        allowed[0, [second_completion[1], 9]] = True
+        allowed[1, second_completion[2]] = True
+        segments = [
+            Segment(prompt, completion, [-1.0] * len(completion), first_routing),
+            Segment(second_prompt, second_completion, [-1.5] * 4, second_routing, SamplingMasks([1, 2], allowed)),
+        ]
+        records.append(RolloutRecord(task_id="t", group=0, valid=True, reward=float(index % 2), passed=bool(index % 2),
+                                     segments=segments))
+    batches = segments_to_batches(records=records, advantages=torch.tensor([-0.5, 0.5, -0.5, 0.5]),
+                                  micro_batch_size=1, pad_id=0, with_routing=True)
+    assert shared_prefix_groups(batches, routing_replay=True) == [(89, [0, 1, 2]), (0, [3])]
+    assert shared_prefix_groups(batches, routing_replay=False) == [(89, [0, 1, 2, 3])]
+
+    rl_config = RLConfig(
+        run_dir=str(tmp_path), init_checkpoint=str(checkpoint), temperature=0.9, routing_replay=True,
+        grpo=GRPOConfig(entropy_coef=-0.5, entropy_scope="positive", kl_coef=0.05),
+    )
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
+        for parameter in reference.parameters():
+            parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
+
+    def update(share):
+        policy = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        stats = policy_updates(model=policy, optimizer=optimizer, batches=batches, config=rl_config,
+                               reference_model=reference, share_prefixes=share)
+        delta = torch.cat([(after - before).flatten() for after, before in zip(policy.parameters(), model.parameters())])
+        return delta, stats
+
+    shared_delta, shared_stats = update(True)
+    full_delta, full_stats = update(False)
+    assert full_delta.abs().max() > 1e-4  # the update moved the weights
+    torch.testing.assert_close(shared_delta, full_delta, rtol=1e-4, atol=1e-6)
+    for key in ("loss", "entropy", "kl_to_reference", "approx_kl", "logprob_mismatch", "grad_norm"):
+        assert shared_stats[key] == pytest.approx(full_stats[key], rel=1e-4, abs=1e-7), key
+
+
 def test_segment_logprobs_at_sampled_tokens_match_the_full_logits_forward(checkpoint):
     # segment_logprobs projects only the loss positions to the vocabulary; values and gradients must be
     # those of the plain forward over every position.

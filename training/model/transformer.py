@@ -32,6 +32,37 @@ class TransformerOutput:
     """int64 [B, T, n_layers, top_k] experts each input token used, when return_routing=True on an MoE."""
 
 
+@dataclass
+class SharedPrefix:
+    """Keys and values of a prefix that several rows begin with, computed once by
+    MoETransformer.prefix_forward and attended by each row's forward (`prefix=`) in place of its own copy.
+
+    An RL group's rollouts share the system prompt, the tool schemas and the task (over half of each row):
+    a learner that runs the prefix once instead of once per rollout does that share of the work once.
+    """
+
+    keys: list[torch.Tensor]
+    """Per layer, [1, n_kv_heads, P, head_dim] with the rotary embedding applied."""
+
+    values: list[torch.Tensor]
+    """Per layer, [1, n_kv_heads, P, head_dim]."""
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values]
+
+    def detached(self) -> SharedPrefix:
+        """Leaves that collect the rows' gradients, to be sent through the prefix's graph in one backward
+        pass (torch.autograd.backward(prefix.tensors(), [leaf.grad ...])) rather than once per row."""
+        return SharedPrefix(
+            keys=[key.detach().requires_grad_() for key in self.keys],
+            values=[value.detach().requires_grad_() for value in self.values],
+        )
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables (rotate-half convention) indexed by absolute position."""
 
@@ -90,25 +121,38 @@ class Attention(nn.Module):
         kv_cache: KVCache | None,
         cache_batch: CacheBatch | None,
         query_positions: torch.Tensor | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
     ) -> torch.Tensor:
         """query_positions: int [B, N]; when given, only these positions query (causally, over every key of
-        their row) and the result is [B, N, d_model]; without it every position does."""
+        their row) and the result is [B, N, d_model]; without it every position does.
+        prefix: (keys, values) [1, n_kv_heads, P, head_dim] of a shared prefix every row continues (x starts
+        at position P); every query attends all of it. kv_sink: a list this layer appends its (keys, values) to.
+        """
         batch, length, _ = x.shape
-        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        k = apply_rotary(k, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        if kv_sink is not None:
+            kv_sink.append((k, v))
+        offset = 0
+        if prefix is not None:
+            offset = prefix[0].shape[2]
+            k = torch.cat([prefix[0].expand(batch, -1, -1, -1), k], dim=2)
+            v = torch.cat([prefix[1].expand(batch, -1, -1, -1), v], dim=2)
         gqa = self.n_kv_heads != self.n_heads
         if query_positions is not None:
             rows = torch.arange(batch, device=x.device)[:, None]
             queries = query_positions.shape[1]
             q = self.wq(x[rows, query_positions]).view(batch, queries, self.n_heads, self.head_dim).transpose(1, 2)
             q = apply_rotary(q, cos[:, 0][rows, query_positions].unsqueeze(1), sin[:, 0][rows, query_positions].unsqueeze(1))
-            visible = torch.arange(length, device=x.device) <= query_positions[:, None, :, None]
+            visible = torch.arange(offset + length, device=x.device) <= offset + query_positions[:, None, :, None]
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
             return self.wo(attended.transpose(1, 2).reshape(batch, queries, self.n_heads * self.head_dim))
         q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
-        if kv_cache is None:
+        if prefix is not None:
+            visible = torch.arange(offset + length, device=x.device) <= offset + torch.arange(length, device=x.device)[:, None]
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        elif kv_cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             keys, values = kv_cache.append(self.layer_index, cache_batch, k, v)
@@ -116,6 +160,13 @@ class Attention(nn.Module):
                 q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache_batch.attention_mask, enable_gqa=gqa
             )
         return self.wo(attended.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys with the rotary embedding applied, values), each [B, n_kv_heads, T, head_dim]."""
+        batch, length, _ = x.shape
+        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
 
 
 class TransformerBlock(nn.Module):
@@ -139,11 +190,14 @@ class TransformerBlock(nn.Module):
         routing_override: torch.Tensor | None,
         compute_router_losses: bool,
         query_positions: torch.Tensor | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
     ):
-        """query_positions: int [B, N]; run the block's output only at these positions ([B, N, d_model])."""
+        """query_positions: int [B, N]; run the block's output only at these positions ([B, N, d_model]).
+        prefix, kv_sink: as Attention.forward's."""
         attended = self.attention(
             self.attention_norm(x), cos, sin, kv_cache=kv_cache, cache_batch=cache_batch,
-            query_positions=query_positions,
+            query_positions=query_positions, prefix=prefix, kv_sink=kv_sink,
         )
         if query_positions is not None:
             rows = torch.arange(x.shape[0], device=x.device)[:, None]
@@ -206,6 +260,7 @@ class MoETransformer(nn.Module):
         compute_router_losses: bool = True,
         logits_positions: torch.Tensor | None = None,
         logits_mask: torch.Tensor | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> TransformerOutput:
         """Run the model on input_ids [B, T].
 
@@ -225,6 +280,9 @@ class MoETransformer(nn.Module):
             key of the next block). A policy-gradient loss needs outputs only at the sampled tokens, a
             tenth of a rollout's row; the rest would be wasted work. Needs compute_router_losses=False and
             return_routing=False (both would cover only part of the last block), and no kv_cache.
+        prefix: a SharedPrefix (prefix_forward) that every row continues: input_ids are the tokens after it,
+            at positions P.., and attend its keys and values as if they were the rows' own first P tokens.
+            No kv_cache with it.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}.")
@@ -244,7 +302,16 @@ class MoETransformer(nn.Module):
                 )
         config = self.config
         cache_batch = None
-        if kv_cache is not None:
+        if prefix is not None and kv_cache is not None:
+            raise ValueError("prefix and kv_cache are two ways to supply earlier keys; pass one.")
+        if prefix is not None:
+            offset = prefix.length
+            if offset + length > config.max_seq_len:
+                raise ValueError(
+                    f"Prefix {offset} + sequence {length} tokens exceeds max_seq_len={config.max_seq_len}."
+                )
+            positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)
+        elif kv_cache is not None:
             if cache_slots is None or cache_slots.shape != (batch,):
                 raise ValueError("kv_cache needs cache_slots, an int tensor [batch] of slot indices.")
             cache_batch = kv_cache.begin(cache_slots.to(kv_cache.lengths.device), length)
@@ -288,6 +355,7 @@ class MoETransformer(nn.Module):
                     routing_override=None if overrides is None else overrides[index],
                     compute_router_losses=compute_router_losses,
                     query_positions=last_block_positions if last else None,
+                    prefix=None if prefix is None else (prefix.keys[index], prefix.values[index]),
                 )
                 if router is not None:
                     routers.append(router)
@@ -313,6 +381,35 @@ class MoETransformer(nn.Module):
             router_z_loss=torch.stack([r.router_z_loss for r in routers]).mean() if routers else zero,
             routed_experts=routed,
         )
+
+    def prefix_forward(self, input_ids: torch.Tensor, *, routing_override: torch.Tensor | None = None) -> SharedPrefix:
+        """Every layer's keys and values of a prefix [1, P] (routing_override: [1, P, n_layers, top_k]), for
+        forward(prefix=...). The last layer's feed-forward is skipped: nothing reads its output."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"A shared prefix is one row [1, P], got shape {tuple(input_ids.shape)}.")
+        length = input_ids.shape[1]
+        if length > self.config.max_seq_len:
+            raise ValueError(f"Prefix of {length} tokens exceeds max_seq_len={self.config.max_seq_len}.")
+        overrides = self._layer_overrides(routing_override, 1, length)
+        cos, sin = self.rotary(torch.arange(length, device=input_ids.device)[None])
+        autocast = (
+            torch.autocast(input_ids.device.type, dtype=torch.bfloat16)
+            if self.config.precision != "fp32"
+            else contextlib.nullcontext()
+        )
+        sink: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with autocast:
+            hidden = self.embed(input_ids)
+            for index, block in enumerate(self.layers):
+                if index == len(self.layers) - 1:
+                    sink.append(block.attention.keys_values(block.attention_norm(hidden), cos, sin))
+                    break
+                hidden, _ = block(
+                    hidden, cos, sin, kv_cache=None, cache_batch=None,
+                    routing_override=None if overrides is None else overrides[index],
+                    compute_router_losses=False, kv_sink=sink,
+                )
+        return SharedPrefix(keys=[k for k, _ in sink], values=[v for _, v in sink])
 
     def _layer_overrides(
         self, routing_override: torch.Tensor | Sequence[torch.Tensor] | None, batch: int, length: int

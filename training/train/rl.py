@@ -38,7 +38,7 @@ import torch
 from training.agent.config import AgentLimits
 from training.checkpoint import load_checkpoint
 from training.engine import EngineConfig, SamplingMasks
-from training.model.transformer import MoETransformer
+from training.model.transformer import MoETransformer, SharedPrefix
 from training.serving import ChatModel
 from training.tasks.reward import RewardConfig
 from training.train.grpo import GRPOConfig, group_advantages, policy_loss, shaped_rewards
@@ -309,12 +309,17 @@ def segment_logprobs(
 
 
 def segment_logprobs_and_entropy(
-    model: MoETransformer, batch: TrainingSegments, *, temperature: float, routing_replay: bool
+    model: MoETransformer,
+    batch: TrainingSegments,
+    *,
+    temperature: float,
+    routing_replay: bool,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """segment_logprobs plus the policy's next-token entropy at the same positions ([B, T] each, 0 elsewhere).
 
     Both come from one log-softmax over the loss positions' logits, so the entropy costs a product and a
-    sum over the vocabulary.
+    sum over the vocabulary. prefix: the batch holds the rows after this shared prefix (suffix_batch).
     """
     mask = batch.loss_mask.bool()
     output = model(
@@ -322,6 +327,7 @@ def segment_logprobs_and_entropy(
         routing_override=batch.routed_experts if routing_replay else None,
         compute_router_losses=False,
         logits_mask=mask,
+        prefix=prefix,
     )
     logits = output.logits.float() / temperature
     disallowed = None
@@ -478,6 +484,70 @@ def reference_model_load(config: RLConfig) -> MoETransformer | None:
     return reference
 
 
+SHARED_PREFIX_MIN_TOKENS = 64
+"""Rows share a prefix in the learner only when it is at least this long: below it the saving is noise."""
+
+
+def shared_prefix_groups(
+    batches: list[TrainingSegments], *, routing_replay: bool, min_tokens: int = SHARED_PREFIX_MIN_TOKENS
+) -> list[tuple[int, list[int]]]:
+    """(prefix length, batch indices) runs of consecutive one-row batches that begin with the same tokens.
+
+    A group's rollouts follow each other and share the system prompt, the tool schemas and the task. The
+    prefix ends before the first loss position of every member (its outputs are all keys, never logits),
+    and with routing replay the members' recorded routing over it must agree too (rollouts sampled by
+    different policy versions may have routed it differently). Length 0: the batch runs on its own.
+    """
+    groups: list[tuple[int, list[int]]] = []
+    lead_first_loss = None  # first loss position of the last group's first batch, when it can lead a group
+    for index, batch in enumerate(batches):
+        if batch.input_ids.shape[0] != 1 or not bool(batch.loss_mask.any()):
+            groups.append((0, [index]))
+            lead_first_loss = None
+            continue
+        first_loss = int(batch.loss_mask[0].nonzero()[0, 0])
+        if lead_first_loss is not None:
+            length, members = groups[-1]
+            lead = batches[members[0]]
+            limit = min(first_loss, length if len(members) > 1 else lead_first_loss)
+            common = _common_prefix_length(lead.input_ids[0, :limit], batch.input_ids[0, :limit])
+            if routing_replay and (lead.routed_experts is None) != (batch.routed_experts is None):
+                common = 0
+            elif routing_replay and lead.routed_experts is not None and common:
+                common = _common_prefix_length(lead.routed_experts[0, :common], batch.routed_experts[0, :common])
+            if common >= min_tokens:
+                groups[-1] = (common, [*members, index])
+                continue
+        groups.append((0, [index]))
+        lead_first_loss = first_loss
+    return groups
+
+
+def _common_prefix_length(first: torch.Tensor, second: torch.Tensor) -> int:
+    length = min(first.shape[0], second.shape[0])
+    if length == 0:
+        return 0
+    differs = (first[:length] != second[:length]).reshape(length, -1).any(dim=1).nonzero()
+    return int(differs[0, 0]) if differs.numel() else length
+
+
+def suffix_batch(batch: TrainingSegments, prefix_length: int) -> TrainingSegments:
+    """The batch's rows after their first prefix_length positions, for segment_logprobs_and_entropy(prefix=)."""
+    masked_positions = batch.masked_positions
+    if masked_positions is not None:
+        masked_positions = masked_positions - torch.tensor([0, prefix_length], dtype=masked_positions.dtype)
+    return TrainingSegments(
+        input_ids=batch.input_ids[:, prefix_length:],
+        targets=batch.targets[:, prefix_length:],
+        loss_mask=batch.loss_mask[:, prefix_length:],
+        behaviour_logprobs=batch.behaviour_logprobs[:, prefix_length:],
+        advantages=batch.advantages,
+        routed_experts=None if batch.routed_experts is None else batch.routed_experts[:, prefix_length:],
+        masked_positions=masked_positions,
+        masked_allowed=batch.masked_allowed,
+    )
+
+
 def policy_updates(
     *,
     model: MoETransformer,
@@ -485,10 +555,13 @@ def policy_updates(
     batches: list[TrainingSegments],
     config: RLConfig,
     reference_model: MoETransformer | None = None,
+    share_prefixes: bool = True,
 ) -> dict[str, Any]:
     """updates_per_step clipped policy-gradient steps on the batch; returns the logged statistics.
 
     reference_model (from reference_model_load) is required when config.grpo.kl_coef is not 0.
+    share_prefixes: one-row batches that begin with the same tokens (a group's rollouts) run that prefix
+    once per update (shared_prefix_groups); the gradient is the same as running every row in full.
     """
     if config.grpo.kl_coef != 0 and reference_model is None:
         raise ValueError("config.grpo.kl_coef is not 0: pass reference_model=reference_model_load(config).")
@@ -508,29 +581,59 @@ def policy_updates(
                 segment_logprobs(reference_model, batch, temperature=config.temperature, routing_replay=False)
                 for batch in batches
             ]
+    groups = (
+        shared_prefix_groups(batches, routing_replay=config.routing_replay)
+        if share_prefixes
+        else [(0, [index]) for index in range(len(batches))]
+    )
+    # Each member as the learner runs it: its rows after the group's prefix, and the reference's logprobs there.
+    members = {
+        index: (
+            suffix_batch(batches[index], length) if length else batches[index],
+            None if reference_logprobs[index] is None else reference_logprobs[index][:, length:],
+        )
+        for length, indices in groups
+        for index in indices
+    }
     for update in range(config.updates_per_step):
         weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "entropy": 0.0,
                     "kl_to_reference": 0.0, "mismatch": 0.0}
-        for batch, batch_reference_logprobs in zip(batches, reference_logprobs, strict=True):
-            logprobs, entropies = segment_logprobs_and_entropy(
-                model, batch, temperature=config.temperature, routing_replay=config.routing_replay
-            )
-            out = policy_loss(
-                logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs, advantages=batch.advantages,
-                loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens, entropies=entropies,
-                reference_logprobs=batch_reference_logprobs,
-            )
-            out.loss.backward()
-            share = out.n_tokens / total_tokens
-            weighted["loss"] += float(out.loss.detach())
-            weighted["clip_fraction"] += out.clip_fraction * share
-            weighted["mean_ratio"] += out.mean_ratio * share
-            weighted["approx_kl"] += out.approx_kl * share
-            weighted["entropy"] += out.entropy * share
-            if out.kl_to_reference is not None:
-                weighted["kl_to_reference"] += out.kl_to_reference * share
-            mask = batch.loss_mask.bool()
-            weighted["mismatch"] += float((logprobs.detach() - batch.behaviour_logprobs)[mask].abs().sum()) / total_tokens
+        for length, indices in groups:
+            prefix = leaves = None
+            if length:
+                lead = batches[indices[0]]
+                replayed = lead.routed_experts if config.routing_replay else None
+                prefix = model.prefix_forward(
+                    lead.input_ids[:, :length], routing_override=None if replayed is None else replayed[:, :length]
+                )
+                leaves = prefix.detached()
+            for index in indices:
+                batch, batch_reference_logprobs = members[index]
+                logprobs, entropies = segment_logprobs_and_entropy(
+                    model, batch, temperature=config.temperature, routing_replay=config.routing_replay, prefix=leaves
+                )
+                out = policy_loss(
+                    logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs, advantages=batch.advantages,
+                    loss_mask=batch.loss_mask, config=config.grpo, token_normalizer=total_tokens, entropies=entropies,
+                    reference_logprobs=batch_reference_logprobs,
+                )
+                out.loss.backward()
+                share = out.n_tokens / total_tokens
+                weighted["loss"] += float(out.loss.detach())
+                weighted["clip_fraction"] += out.clip_fraction * share
+                weighted["mean_ratio"] += out.mean_ratio * share
+                weighted["approx_kl"] += out.approx_kl * share
+                weighted["entropy"] += out.entropy * share
+                if out.kl_to_reference is not None:
+                    weighted["kl_to_reference"] += out.kl_to_reference * share
+                mask = batch.loss_mask.bool()
+                weighted["mismatch"] += float((logprobs.detach() - batch.behaviour_logprobs)[mask].abs().sum()) / total_tokens
+            if prefix is not None:
+                # The members' gradients with respect to the prefix's keys and values, through its graph once.
+                pairs = [(tensor, leaf.grad) for tensor, leaf in zip(prefix.tensors(), leaves.tensors(), strict=True)
+                         if leaf.grad is not None]
+                if pairs:
+                    torch.autograd.backward([tensor for tensor, _ in pairs], grad_tensors=[grad for _, grad in pairs])
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
