@@ -129,8 +129,10 @@ def test_a_time_budget_stops_the_run_and_ends_its_lr_decay_on_the_clock(checkpoi
     assert lrs[0] == pytest.approx(1e-3)
     assert lrs[1] < 0.99e-3 and all(later <= earlier for earlier, later in zip(lrs, lrs[1:]))
     status = json.loads((tmp_path / "run" / STATUS_FILE).read_text())
-    assert status["state"] == "finished"
-    position = json.loads((latest_checkpoint(tmp_path / "run") / TRAINER_STATE_FILE).read_text())["data_position"]
+    last = latest_checkpoint(tmp_path / "run")
+    # the update in flight when the budget ran out is finished and checkpointed, and the status counts it
+    assert status["state"] == "finished" and status["version"] == len(history) == int(last.name.removeprefix("step-"))
+    position = json.loads((last / TRAINER_STATE_FILE).read_text())["data_position"]
     assert position["training_seconds"] >= 30 - 5  # the last update may end just before the timer
     assert run_async_rl(config) == []
     assert len(read_jsonl(tmp_path / "run" / METRICS_FILE)) == len(history)

@@ -966,6 +966,7 @@ def run_async_rl(
                 on_rollout({**row, "trace": sample.result["trace"]})
         if on_step is not None:
             on_step(metrics)
+        state.version = new_version
         return new_version
 
     def expert_guides(groups: list[list[RolloutSample]]) -> tuple[list, list[str]]:
@@ -1045,10 +1046,12 @@ def run_async_rl(
             fleet.shutdown()
         if owns_ray:
             ray.shutdown()
-    finished = scheduler.version >= config.steps or budget_spent()
+    # A stop can come while an update is in flight: the scheduler no longer waits for it, the learner's
+    # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
+    version = max(scheduler.version, state.version)
+    finished = version >= config.steps or budget_spent()
     _write_status(
-        run_dir,
-        {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": scheduler.version},
+        run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
     )
     return history
 
