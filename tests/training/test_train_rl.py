@@ -338,12 +338,38 @@ def test_turns_that_extend_each_other_share_a_row_with_the_same_gradient(checkpo
     torch.testing.assert_close(merged, separate, rtol=1e-4, atol=1e-6)
 
 
+def test_shared_prefix_groups_never_cut_a_formed_groups_prefix_short():
+    """Rows 0-1 share 100 tokens; row 2 agrees with them for 70 only (a later version's routing flips
+    there): it starts its own group instead of shrinking theirs to 70, and row 3, which agrees with row 2,
+    joins it. A row without loss positions, or of two rows, runs alone."""
+    import dataclasses
+
+    from training.train.rl import TrainingSegments, shared_prefix_groups
+
+    def row(tokens, first_loss=100, rows=1):
+        length = len(tokens)
+        loss_mask = torch.zeros(rows, length)
+        loss_mask[:, first_loss:] = 1.0
+        return TrainingSegments(
+            input_ids=torch.tensor([tokens] * rows), targets=torch.zeros(rows, length, dtype=torch.long),
+            loss_mask=loss_mask, behaviour_logprobs=torch.zeros(rows, length), advantages=torch.ones(rows),
+            routed_experts=None,
+        )
+
+    base = list(range(10, 130))
+    flipped = base[:70] + [5] * 50
+    no_loss = dataclasses.replace(row(base), loss_mask=torch.zeros(1, len(base)))
+    batches = [row(base), row(base), row(flipped), row(flipped), no_loss, row(base, rows=2)]
+    assert shared_prefix_groups(batches, routing_replay=False) == [(100, [0, 1]), (100, [2, 3]), (0, [4]), (0, [5])]
+    assert shared_prefix_groups(batches, routing_replay=False, min_tokens=101) == [(0, [i]) for i in range(6)]
+
+
 def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(checkpoint, tmp_path):
-    """Four rollouts of one task: three begin with the same prompt, routed the same way, and share it in the
-    learner (one prefix forward and backward); the fourth was sampled by another policy version that routed
-    the prompt differently, and runs on its own. The update (SGD, so the weights move by the gradient) and
-    its statistics equal those of running every row in full, with the copy constraint's masks, the entropy
-    term and the KL to a reference policy all in play."""
+    """Five rollouts of one task, sampled by two policy versions that routed the prompt differently and
+    finished interleaved: each version's rollouts share the prompt in the learner (one prefix forward and
+    backward per version). The update (SGD, so the weights move by the gradient) and its statistics equal
+    those of running every row in full, with the copy constraint's masks, the entropy term and the KL to a
+    reference policy all in play."""
     import copy
 
     from training.engine import SamplingMasks
@@ -361,11 +387,11 @@ def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(ch
         return torch.randint(0, config.n_experts, (count, config.n_layers, config.top_k), generator=generator)
 
     prompt = tokens(90)
-    prompt_routing = routing(90)
+    version_routing = [routing(90), routing(90)]
     records = []
-    for index in range(4):
+    for index, version in enumerate((0, 1, 0, 0, 1)):
         completion, tool_output, second_completion = tokens(5 + index), tokens(7), tokens(4)
-        first_routing = prompt_routing.clone() if index < 3 else routing(90)
+        first_routing = version_routing[version].clone()
         # routing covers every input position: all tokens of the call but its last
         first_routing = torch.cat([first_routing, routing(len(completion) - 1)])
         second_prompt = prompt + completion + tool_output
@@ -379,10 +405,10 @@ def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(ch
         ]
         records.append(RolloutRecord(task_id="t", group=0, valid=True, reward=float(index % 2), passed=bool(index % 2),
                                      segments=segments))
-    batches = segments_to_batches(records=records, advantages=torch.tensor([-0.5, 0.5, -0.5, 0.5]),
+    batches = segments_to_batches(records=records, advantages=torch.tensor([-0.5, 0.5, -0.5, 0.5, -0.5]),
                                   micro_batch_size=1, pad_id=0, with_routing=True)
-    assert shared_prefix_groups(batches, routing_replay=True) == [(89, [0, 1, 2]), (0, [3])]
-    assert shared_prefix_groups(batches, routing_replay=False) == [(89, [0, 1, 2, 3])]
+    assert shared_prefix_groups(batches, routing_replay=True) == [(89, [0, 2, 3]), (89, [1, 4])]
+    assert shared_prefix_groups(batches, routing_replay=False) == [(89, [0, 1, 2, 3, 4])]
 
     rl_config = RLConfig(
         run_dir=str(tmp_path), init_checkpoint=str(checkpoint), temperature=0.9, routing_replay=True,

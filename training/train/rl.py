@@ -491,36 +491,45 @@ SHARED_PREFIX_MIN_TOKENS = 64
 def shared_prefix_groups(
     batches: list[TrainingSegments], *, routing_replay: bool, min_tokens: int = SHARED_PREFIX_MIN_TOKENS
 ) -> list[tuple[int, list[int]]]:
-    """(prefix length, batch indices) runs of consecutive one-row batches that begin with the same tokens.
+    """(prefix length, batch indices) of one-row batches that begin with the same tokens; length 0: the
+    batch runs on its own. Groups come in the order of their first batch.
 
-    A group's rollouts follow each other and share the system prompt, the tool schemas and the task. The
-    prefix ends before the first loss position of every member (its outputs are all keys, never logits),
-    and with routing replay the members' recorded routing over it must agree too (rollouts sampled by
-    different policy versions may have routed it differently). Length 0: the batch runs on its own.
+    A group's rollouts share the system prompt, the tool schemas and the task. The prefix ends before the
+    first loss position of every member (its outputs are all keys, never logits), and with routing replay
+    the members' recorded routing over it must agree too. Rollouts sampled by different policy versions
+    route the prompt differently (one update of the toy policy moves some token's experts within the
+    first ~60 positions) and finish in any order, so a batch joins the group it agrees with longest, not
+    just the one before it; it starts a group of its own rather than cut an existing group's prefix short.
     """
-    groups: list[tuple[int, list[int]]] = []
-    lead_first_loss = None  # first loss position of the last group's first batch, when it can lead a group
+    clusters: list[list] = []  # [shared length (the lead's first loss position while alone), members]
+    singles: list[int] = []
     for index, batch in enumerate(batches):
         if batch.input_ids.shape[0] != 1 or not bool(batch.loss_mask.any()):
-            groups.append((0, [index]))
-            lead_first_loss = None
+            singles.append(index)
             continue
         first_loss = int(batch.loss_mask[0].nonzero()[0, 0])
-        if lead_first_loss is not None:
-            length, members = groups[-1]
+        best, best_common = None, 0
+        for cluster in clusters:
+            length, members = cluster
             lead = batches[members[0]]
-            limit = min(first_loss, length if len(members) > 1 else lead_first_loss)
+            limit = min(first_loss, length)
             common = _common_prefix_length(lead.input_ids[0, :limit], batch.input_ids[0, :limit])
             if routing_replay and (lead.routed_experts is None) != (batch.routed_experts is None):
                 common = 0
             elif routing_replay and lead.routed_experts is not None and common:
                 common = _common_prefix_length(lead.routed_experts[0, :common], batch.routed_experts[0, :common])
-            if common >= min_tokens:
-                groups[-1] = (common, [*members, index])
-                continue
-        groups.append((0, [index]))
-        lead_first_loss = first_loss
-    return groups
+            # A lone lead's length is only its first loss position; a formed group keeps most of its prefix.
+            keeps_prefix = len(members) == 1 or common >= 0.9 * length
+            if common >= min_tokens and keeps_prefix and common > best_common:
+                best, best_common = cluster, common
+        if best is None:
+            clusters.append([first_loss, [index]])
+        else:
+            best[0] = best_common
+            best[1].append(index)
+    groups = [(length, members) if len(members) > 1 else (0, members) for length, members in clusters]
+    groups += [(0, [index]) for index in singles]
+    return sorted(groups, key=lambda group: group[1][0])
 
 
 def _common_prefix_length(first: torch.Tensor, second: torch.Tensor) -> int:
