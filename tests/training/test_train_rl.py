@@ -433,6 +433,8 @@ def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(ch
     torch.testing.assert_close(shared_delta, full_delta, rtol=1e-4, atol=1e-6)
     for key in ("loss", "entropy", "kl_to_reference", "approx_kl", "logprob_mismatch", "grad_norm"):
         assert shared_stats[key] == pytest.approx(full_stats[key], rel=1e-4, abs=1e-7), key
+    # 89 prompt tokens not recomputed for two rows of the first version and one of the second
+    assert (shared_stats["shared_prefix_tokens"], full_stats["shared_prefix_tokens"]) == (3 * 89, 0)
 
 
 def test_segment_logprobs_at_sampled_tokens_match_the_full_logits_forward(checkpoint):

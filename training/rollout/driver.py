@@ -898,7 +898,9 @@ def run_async_rl(
             **{
                 key: value
                 for key, value in update_stats.items()
-                if key in ("loss", "clip_fraction", "approx_kl", "entropy", "kl_to_reference")
+                if key
+                in ("loss", "clip_fraction", "approx_kl", "entropy", "kl_to_reference", "trained_tokens",
+                    "shared_prefix_tokens")
             },
         }
         rollout_rows = []

@@ -577,7 +577,7 @@ def policy_updates(
     total_tokens = float(sum(batch.loss_mask.sum() for batch in batches))
     stats: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 1.0, "approx_kl": 0.0, "entropy": None,
                              "kl_to_reference": None, "logprob_mismatch": None, "grad_norm": 0.0,
-                             "trained_tokens": int(total_tokens)}
+                             "trained_tokens": int(total_tokens), "shared_prefix_tokens": 0}
     if total_tokens == 0:
         # No rollout carries signal (all masked, or every group scored uniformly). Taking an Adam
         # step on a zero gradient would still move the weights along the stale momentum, so skip it.
@@ -604,6 +604,8 @@ def policy_updates(
         for length, indices in groups
         for index in indices
     }
+    # Prefix tokens each update does not recompute: the measure of what sharing saved in a real run.
+    stats["shared_prefix_tokens"] = sum(length * (len(indices) - 1) for length, indices in groups if length)
     for update in range(config.updates_per_step):
         weighted = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "approx_kl": 0.0, "entropy": 0.0,
                     "kl_to_reference": 0.0, "mismatch": 0.0}
