@@ -230,6 +230,23 @@ def test_monitor_survives_killed_worker_and_driver_without_double_counting_and_s
     )
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_experiment_with_a_time_budget_finishes_when_it_is_spent(owner, policy_checkpoint, state_dir):
+    """The driver stops itself short of its 1,000 steps when its 45-second budget is spent; the monitor
+    marks the experiment finished instead of relaunching a driver that would train nothing."""
+    experiment = Experiment.objects.create(
+        owner=owner,
+        name="budget",
+        config=_small_config(policy_checkpoint, steps=1000, time_budget_minutes=0.75, tasks=500),
+        run_dir=str(state_dir / "experiments" / "budget"),
+    )
+    assert services.experiment_monitor(experiment_id=experiment.pk) == "finished"
+    experiment.refresh_from_db()
+    assert experiment.status == "finished" and experiment.status_reason == "time budget spent"
+    assert experiment.launches == 1 and 1 <= experiment.current_step < 1000
+    assert ExperimentStep.objects.filter(experiment=experiment).count() == experiment.current_step
+
+
 def test_bench_command_stores_result_on_leaderboard(client, owner, outsider, state_dir):
     call_command(
         "bench", suite="toy-heldout-2", policy="scripted", attempts=2, temperature=0.5, owner=owner.username

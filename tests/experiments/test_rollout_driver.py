@@ -102,7 +102,7 @@ def test_a_time_budget_stops_the_run_and_ends_its_lr_decay_on_the_clock(checkpoi
     counts, so the second update's lr is already well down a cosine over the budget, where the schedule's
     1,000 steps alone would have moved it by a millionth), and the spent budget is kept in the checkpoint,
     so starting the finished run again trains nothing."""
-    from training.rollout.driver import METRICS_FILE, STATUS_FILE, read_jsonl, run_async_rl
+    from training.rollout.driver import METRICS_FILE, STATUS_FILE, read_jsonl, run_async_rl, run_finished
     from training.train.state import TRAINER_STATE_FILE, latest_checkpoint
 
     config = AsyncRLConfig(
@@ -136,6 +136,7 @@ def test_a_time_budget_stops_the_run_and_ends_its_lr_decay_on_the_clock(checkpoi
     assert position["training_seconds"] >= 30 - 5  # the last update may end just before the timer
     assert run_async_rl(config) == []
     assert len(read_jsonl(tmp_path / "run" / METRICS_FILE)) == len(history)
+    assert run_finished(tmp_path / "run")  # so a monitor that relaunched it stops there
 
 
 def test_the_update_takes_the_runs_objective_options(checkpoint, tmp_path):

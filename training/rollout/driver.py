@@ -70,6 +70,14 @@ def checkpointed_version(run_dir: str | Path) -> int:
     return int(path.name.rsplit("-", 1)[-1]) if path is not None else 0
 
 
+def run_finished(run_dir: str | Path) -> bool:
+    """True when the run's driver last reported it finished: all its steps done, or its time budget spent."""
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text()).get("state") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
 class AsyncRLConfigError(ValueError):
     """Contradictory settings of an asynchronous RL run; the message says how to fix them."""
 
@@ -738,10 +746,13 @@ def run_async_rl(
         torch.manual_seed(config.seed)
     for name in (METRICS_FILE, ROLLOUTS_FILE):
         _truncate_jsonl(run_dir / name, max_step=state.version)
+
     def budget_spent() -> bool:
         return budget_seconds is not None and training_seconds() >= budget_seconds
 
     if state.version >= config.steps or budget_spent():
+        # Started again after the end (a resume, a relaunch): say so, so the monitor stops relaunching it.
+        _write_status(run_dir, {"state": "finished", "pid": os.getpid(), "version": state.version})
         return []
     reference_model = reference_model_load(update_config)
 

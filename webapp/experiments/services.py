@@ -362,7 +362,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> bool:
 
 def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) -> str:
     """Start (or re-attach to) the experiment's driver and watch it until it ends or the slice is over."""
-    from training.rollout.driver import checkpointed_version
+    from training.rollout.driver import checkpointed_version, run_finished
 
     experiment = Experiment.objects.get(pk=experiment_id)
     if experiment.status not in Experiment.ACTIVE:
@@ -386,12 +386,14 @@ def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) 
                     driver_pid=None,
                 )
                 return state
-            if checkpointed_version(experiment.run_dir) >= experiment.total_steps:
+            all_steps_done = checkpointed_version(experiment.run_dir) >= experiment.total_steps
+            # A driver with a time budget finishes short of its steps; relaunching it would train nothing.
+            if all_steps_done or run_finished(experiment.run_dir):
                 experiment_ingest(experiment=experiment)
                 _set_status(
                     experiment_id,
                     status=Experiment.Status.FINISHED,
-                    status_reason="all steps done",
+                    status_reason="all steps done" if all_steps_done else "time budget spent",
                     finished_at=timezone.now(),
                     driver_pid=None,
                 )
