@@ -326,11 +326,7 @@ class MoETransformer(nn.Module):
         overrides = self._layer_overrides(routing_override, batch, length)
         cos, sin = self.rotary(positions)
 
-        autocast = (
-            torch.autocast(input_ids.device.type, dtype=torch.bfloat16)
-            if config.precision != "fp32"
-            else contextlib.nullcontext()
-        )
+        autocast = self._autocast(input_ids.device.type)
         last_block_positions = last_block_valid = None
         if logits_mask is not None:
             mask = logits_mask.to(input_ids.device)
@@ -392,11 +388,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"Prefix of {length} tokens exceeds max_seq_len={self.config.max_seq_len}.")
         overrides = self._layer_overrides(routing_override, 1, length)
         cos, sin = self.rotary(torch.arange(length, device=input_ids.device)[None])
-        autocast = (
-            torch.autocast(input_ids.device.type, dtype=torch.bfloat16)
-            if self.config.precision != "fp32"
-            else contextlib.nullcontext()
-        )
+        autocast = self._autocast(input_ids.device.type)
         sink: list[tuple[torch.Tensor, torch.Tensor]] = []
         with autocast:
             hidden = self.embed(input_ids)
@@ -410,6 +402,12 @@ class MoETransformer(nn.Module):
                     compute_router_losses=False, kv_sink=sink,
                 )
         return SharedPrefix(keys=[k for k, _ in sink], values=[v for _, v in sink])
+
+    def _autocast(self, device_type: str):
+        """bf16 autocast for the low-precision configs, nothing for fp32."""
+        if self.config.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def _layer_overrides(
         self, routing_override: torch.Tensor | Sequence[torch.Tensor] | None, batch: int, length: int
