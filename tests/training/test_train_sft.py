@@ -13,7 +13,13 @@ from training.chat_format import render_assistant_completion, render_messages
 from training.tasks.toy import generate_toy_task
 from training.train.data import IGNORE_INDEX, MaskedExamples
 from training.train.loop import TrainConfigError, read_metrics
-from training.train.scripted_expert import expert_trajectory_create, toy_expert_policy
+from training.train.scripted_expert import (
+    expert_trajectory_create,
+    expert_variant,
+    report_check_command,
+    toy_expert_policy,
+    wrong_fix_sources,
+)
 from training.train.sft import SFTConfig, load_jsonl_trajectories, tokenize_trajectory
 
 
@@ -62,6 +68,93 @@ def test_scripted_expert_can_fix_by_line_range():
     }
     with pytest.raises(ValueError, match="edit_tool must be one of"):
         toy_expert_policy(task, edit_tool="sed")
+
+
+def _calls(messages: list[dict]) -> list[tuple[str, dict]]:
+    return [
+        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        for message in messages
+        if message["role"] == "assistant"
+        for call in message.get("tool_calls", [])
+    ]
+
+
+def _exec_report_call(source: str, task) -> str:
+    namespace: dict = {}
+    exec(compile(source, "<test>", "exec"), namespace)  # noqa: S102
+    return repr(eval(task.metadata["report_call"], namespace))  # noqa: S307
+
+
+def test_wrong_fixes_change_the_faulty_line_and_keep_the_report_wrong():
+    tasks = [generate_toy_task(seed) for seed in range(40)]
+    with_wrong = [(task, wrong_fix_sources(task)) for task in tasks]
+    assert sum(1 for _, wrong in with_wrong if wrong) >= 20  # most kinds have another change of the line
+    for task, wrong in with_wrong:
+        fix = task.solution
+        buggy = task.files[fix.path]
+        fixed = fix.apply(buggy)
+        assert _exec_report_call(fixed, task) == task.metadata["report_expected"]  # the report's value is right
+        for source in wrong:
+            assert source not in (buggy, fixed)
+            changed = [i for i, (a, b) in enumerate(zip(buggy.splitlines(), source.splitlines(), strict=True)) if a != b]
+            assert len(changed) == 1 and buggy.splitlines()[changed[0]] in fix.old_text
+            assert _report_outcome(source, task) != task.metadata["report_expected"]  # a wrong value or a raise
+    removed = next(task for task in tasks if task.mutation_kind == "remove_statement")
+    assert wrong_fix_sources(removed) == []  # its fix inserts a line: no other change of "that line" exists
+
+
+def _report_outcome(source: str, task) -> str:
+    try:
+        return _exec_report_call(source, task)
+    except Exception as exc:  # noqa: BLE001  (a wrong fix may raise; that is an outcome here)
+        return f"raises {exc!r}"
+
+
+def test_verifying_expert_checks_the_fix_with_the_report_call():
+    task = generate_toy_task(5)
+    command = report_check_command(task)
+    assert command.startswith("python3 -c ") and task.metadata["report_call"] in command
+    trajectory = expert_trajectory_create(task=task, backend=get_backend("local"), verify=True)
+    assert trajectory.reward == 1.0
+    fix = task.solution
+    assert _calls(trajectory.messages) == [
+        ("read_file", {"path": fix.path}),
+        ("edit_file", {"path": fix.path, "old_str": fix.old_text, "new_str": fix.new_text}),
+        ("run_terminal", {"command": command}),
+    ]
+    check_output = [m["content"] for m in trajectory.messages if m["role"] == "tool"][-1]
+    assert f"\n{task.metadata['report_expected']}\n" in check_output and "[exit code 0]" in check_output
+    assert task.metadata["report_expected"] in trajectory.messages[-1]["content"]
+
+
+def test_retrying_expert_recovers_from_a_wrong_first_fix():
+    task = next(t for t in map(generate_toy_task, range(40)) if wrong_fix_sources(t) and t.mutation_kind == "off_by_one")
+    wrong = wrong_fix_sources(task)[0]
+    trajectory = expert_trajectory_create(task=task, backend=get_backend("local"), verify=True, wrong_first=wrong)
+    assert trajectory.reward == 1.0
+    calls = _calls(trajectory.messages)
+    assert [name for name, _ in calls] == ["read_file", "edit_file", "run_terminal", "edit_file", "run_terminal"]
+    buggy = task.files[task.solution.path]
+    first, second = calls[1][1], calls[3][1]
+    assert buggy.replace(first["old_str"], first["new_str"]) == wrong  # the wrong fix, exactly
+    assert wrong.replace(second["old_str"], second["new_str"]) == task.solution.apply(buggy)  # then the right one
+    outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    expected_line = f"\n{task.metadata['report_expected']}\n"
+    assert expected_line not in outputs[2] and expected_line in outputs[4]
+    with pytest.raises(ValueError, match="needs verify=True"):
+        toy_expert_policy(task, wrong_first=wrong)
+
+
+def test_expert_variant_draws_a_stable_share_of_retries():
+    tasks = [generate_toy_task(seed) for seed in range(60)]
+    eligible = [task for task in tasks if wrong_fix_sources(task)]
+    assert all(expert_variant(task, retry_share=0.0) is None for task in tasks)
+    assert all(expert_variant(task, retry_share=1.0) in wrong_fix_sources(task) for task in eligible)
+    half = [expert_variant(task, retry_share=0.5) for task in eligible]
+    assert half == [expert_variant(task, retry_share=0.5) for task in eligible]  # seeded by the task
+    assert 0.25 * len(eligible) < sum(variant is not None for variant in half) < 0.75 * len(eligible)
+    with pytest.raises(ValueError, match="retry_share"):
+        expert_variant(tasks[0], retry_share=1.5)
 
 
 def test_loss_mask_covers_exactly_the_assistant_completions(expert_run, tokenizer):
@@ -170,3 +263,22 @@ def test_expert_trajectories_command_rejects_a_foreign_file(tmp_path):
     output.write_text("not json\n")
     with pytest.raises(CommandError, match="is not a trajectory line"):
         call_command("expert_trajectories", count=1, output=str(output), sandbox_backend="local")
+
+
+def test_expert_trajectories_command_records_verified_and_retried_runs(tmp_path):
+    from django.core.management.base import CommandError
+
+    output = tmp_path / "verify.jsonl"
+    with pytest.raises(CommandError, match="--retry-share needs --verify"):
+        call_command("expert_trajectories", count=1, output=str(output), retry_share=0.5)
+    call_command("expert_trajectories", count=6, output=str(output), sandbox_backend="local", verify=True,
+                 retry_share=1.0)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 6
+    for record in records:
+        task = generate_toy_task(int(record["task_id"].removeprefix("toy-")))
+        names = [name for name, _ in _calls(record["messages"])]
+        assert record["retry"] == bool(wrong_fix_sources(task))
+        direct = ["read_file", "edit_file", "run_terminal"]
+        assert names == (direct + ["edit_file", "run_terminal"] if record["retry"] else direct)
+    assert any(record["retry"] for record in records)

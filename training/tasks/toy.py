@@ -467,6 +467,7 @@ def generate_toy_task(seed: int) -> CodingTask:
         ),
         mutation_kind=chosen.kind,
         mutation_description=chosen.description,
-        metadata={"seed": seed, "module": module_path, "function": buggy_name, "line": chosen.lineno},
+        metadata={"seed": seed, "module": module_path, "function": buggy_name, "line": chosen.lineno,
+                  "report_call": call, "report_expected": repr(expected)},
         test_timeout_s=30.0,
     )

@@ -1,7 +1,13 @@
 """A deterministic expert for toy tasks: the exact tool calls that solve a CodingTask.
 
 It knows the reference fix (task.solution), so it reads the buggy module, applies the fix and runs
-the visible tests. The fix goes through edit_file (search/replace: the learner must copy the faulty
+the visible tests. With verify=True it instead checks the fix the way the bug report states the bug: it
+runs the report's call (`report_check_command`) and compares what it prints with the value the report
+says it should return. The visible tests never cover the buggy function (its tests stay hidden), so only
+this check can tell a wrong fix from a right one inside an episode. Given a wrong first fix
+(`wrong_fix_sources`: another change of the same line that the report's call still exposes), the
+expert makes that edit, sees the check print the wrong value, and fixes the line again: the recovery
+a policy needs to turn a failed first attempt into a pass within one episode. The fix goes through edit_file (search/replace: the learner must copy the faulty
 text exactly) or, with edit_tool="replace_lines", through the line range read_file numbered (the
 learner must name the right line number instead). Its turns are replayed by training.agent.scripted's
 ScriptedExpertPolicy through the real agent loop in a real sandbox, so the recorded trajectory holds
@@ -11,13 +17,15 @@ only when the hidden tests then pass.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from sandboxes.base import SandboxBackend
 from training.agent.config import AgentLimits
 from training.agent.loop import run_agent
 from training.agent.scripted import ScriptedExpertPolicy, ScriptedTurn
-from training.tasks.base import CodingTask
+from training.tasks.base import CodingTask, FileEdit, changed_line_span, minimal_fix_edit
+from training.tasks.mutations import enumerate_mutations
 from training.tasks.reward import score_rollout
 from training.tasks.sandboxing import task_sandboxes_create
 
@@ -47,7 +55,7 @@ EDIT_TOOLS = ("edit_file", "replace_lines")
 def _fix_call(task: CodingTask, edit_tool: str) -> tuple[str, dict]:
     fix = task.solution
     if edit_tool == "edit_file":
-        return "edit_file", {"path": fix.path, "old_str": fix.old_text, "new_str": fix.new_text}
+        return _edit_call(fix)
     if edit_tool == "replace_lines":
         lines = fix.as_line_range(task.files[fix.path])
         return "replace_lines", {"path": fix.path, "start_line": lines.start_line, "end_line": lines.end_line,
@@ -55,42 +63,152 @@ def _fix_call(task: CodingTask, edit_tool: str) -> tuple[str, dict]:
     raise ValueError(f"edit_tool must be one of {EDIT_TOOLS}, got {edit_tool!r}")
 
 
-def toy_expert_policy(task: CodingTask, *, edit_tool: str = "edit_file") -> ScriptedExpertPolicy:
-    """The scripted turns that solve `task`: read the module, fix it with `edit_tool`, run the tests, report."""
+_SHELL_UNSAFE = frozenset('"$`\\!')
+
+
+def report_check_command(task: CodingTask) -> str | None:
+    """A shell command printing the repr of what the bug report's call returns in the workspace now.
+
+    None for a task without a recorded report call (tasks generated before the call was kept in
+    metadata, or other tiers), or whose call would need shell escaping inside double quotes.
+    """
+    call, module = task.metadata.get("report_call"), task.metadata.get("module")
+    if not call or not module or _SHELL_UNSAFE & set(call):
+        return None
+    import_path = module[: -len(".py")].replace("/", ".")
+    return f'python3 -c "import {import_path} as m; print(repr(m.{call}))"'
+
+
+def _report_value(source: str, task: CodingTask) -> str:
+    """repr of the report's call on `source` (the buggy function's module), or the exception it raised."""
+    namespace: dict = {}
+    try:
+        exec(compile(source, "<expert>", "exec"), namespace)  # noqa: S102  (the task's own generated code)
+        return repr(eval(task.metadata["report_call"], namespace))  # noqa: S307  (a call the task generator wrote)
+    except Exception as exc:  # noqa: BLE001  (a raising wrong fix is a wrong fix; the message is data)
+        return f"raises {type(exc).__name__}"
+
+
+def wrong_fix_sources(task: CodingTask) -> list[str]:
+    """Plausible wrong fixes: other single mutations of the buggy line that the report's call still exposes.
+
+    Each is the whole buggy module with the faulty line changed in another way than the reference fix
+    (the other comparison, the other neighbour of a constant, a negation), in a stable order. Empty when
+    the task has no report call, or when no other change of that line keeps the call wrong (a removed
+    statement's fix inserts a line, which no mutation of the buggy file touches).
+    """
     fix = task.solution
-    fix_call = _fix_call(task, edit_tool)
+    if fix is None or "report_call" not in task.metadata or "function" not in task.metadata:
+        return []
+    buggy = task.files[fix.path]
+    fixed = fix.apply(buggy)
+    buggy_lines = buggy.splitlines(keepends=True)
+    fix_span = changed_line_span(buggy_lines, fixed.splitlines(keepends=True))
+    wrong = []
+    for mutation in enumerate_mutations(buggy, path=fix.path, functions={task.metadata["function"]}):
+        source = mutation.mutated_source
+        if source == fixed:
+            continue
+        source_lines = source.splitlines(keepends=True)
+        span = changed_line_span(buggy_lines, source_lines)
+        # the same lines rewritten in place, as an edit of the faulty line would (no deleted statement)
+        if span is None or span[:2] != fix_span[:2] or len(source_lines) != len(buggy_lines):
+            continue
+        if _report_value(source, task) != task.metadata["report_expected"]:
+            wrong.append(source)
+    return wrong
+
+
+def toy_expert_policy(
+    task: CodingTask, *, edit_tool: str = "edit_file", verify: bool = False, wrong_first: str | None = None
+) -> ScriptedExpertPolicy:
+    """The scripted turns that solve `task`: read the module, fix it with `edit_tool`, run the tests, report.
+
+    verify: check the fix with the bug report's call (report_check_command) instead of the visible tests.
+    wrong_first: a source from wrong_fix_sources(task); the expert first edits the module into it, sees the
+    check print a wrong value, then fixes the line for real (edit_file only, and only with verify).
+    """
+    fix = task.solution
+    read = ScriptedTurn(
+        content=f"The bug report points at `{fix.path}`. Let me read it.",
+        calls=(("read_file", {"path": fix.path}),),
+    )
+    if not verify:
+        if wrong_first is not None:
+            raise ValueError("wrong_first needs verify=True: without the check nothing shows the first fix is wrong")
+        return ScriptedExpertPolicy(
+            turns=[
+                read,
+                ScriptedTurn(content="I found the faulty line; fixing it.", calls=(_fix_call(task, edit_tool),)),
+                ScriptedTurn(
+                    content="Now I run the test suite to confirm the fix.",
+                    calls=(("run_terminal", {"command": task.test_command}),),
+                ),
+            ],
+            final_message=f"Fixed the bug in `{fix.path}`; the test suite passes.",
+        )
+    command = report_check_command(task)
+    if command is None:
+        raise ValueError(f"{task.task_id}: no report call to check the fix with (report_check_command is None)")
+    call, expected = task.metadata["report_call"], task.metadata["report_expected"]
+    check = ScriptedTurn(
+        content="Let me run the call from the bug report.", calls=(("run_terminal", {"command": command}),)
+    )
+    turns = [read]
+    if wrong_first is not None:
+        if edit_tool != "edit_file":
+            raise ValueError(f"wrong_first supports edit_tool='edit_file' only, got {edit_tool!r}")
+        buggy = task.files[fix.path]
+        first = minimal_fix_edit(path=fix.path, buggy=buggy, fixed=wrong_first)
+        second = minimal_fix_edit(path=fix.path, buggy=wrong_first, fixed=fix.apply(buggy))
+        turns += [
+            ScriptedTurn(content="I found the faulty line; fixing it.", calls=(_edit_call(first),)),
+            check,
+            ScriptedTurn(
+                content=f"It should return `{expected}` and does not, so that change was wrong. Fixing the line again.",
+                calls=(_edit_call(second),),
+            ),
+        ]
+    else:
+        turns.append(ScriptedTurn(content="I found the faulty line; fixing it.", calls=(_fix_call(task, edit_tool),)))
+    turns.append(check)
     return ScriptedExpertPolicy(
-        turns=[
-            ScriptedTurn(
-                content=f"The bug report points at `{fix.path}`. Let me read it.",
-                calls=(("read_file", {"path": fix.path}),),
-            ),
-            ScriptedTurn(
-                content="I found the faulty line; fixing it.",
-                calls=(fix_call,),
-            ),
-            ScriptedTurn(
-                content="Now I run the test suite to confirm the fix.",
-                calls=(("run_terminal", {"command": task.test_command}),),
-            ),
-        ],
-        final_message=f"Fixed the bug in `{fix.path}`; the test suite passes.",
+        turns=turns,
+        final_message=f"Fixed the bug in `{fix.path}`: `{call}` now returns `{expected}`, as the report says.",
     )
 
 
+def _edit_call(edit: FileEdit) -> tuple[str, dict]:
+    return "edit_file", {"path": edit.path, "old_str": edit.old_text, "new_str": edit.new_text}
+
+
 def expert_trajectory_create(
-    *, task: CodingTask, backend: SandboxBackend, limits: AgentLimits | None = None, edit_tool: str = "edit_file"
+    *,
+    task: CodingTask,
+    backend: SandboxBackend,
+    limits: AgentLimits | None = None,
+    edit_tool: str = "edit_file",
+    verify: bool = False,
+    wrong_first: str | None = None,
 ) -> ExpertTrajectory:
     """Run the expert on `task` in a fresh sandbox and return its trajectory if the hidden tests pass."""
     sandbox = task_sandboxes_create(backend=backend, task=task)[0]
-    return expert_trajectory_run(task=task, sandbox=sandbox, limits=limits, edit_tool=edit_tool)
+    return expert_trajectory_run(
+        task=task, sandbox=sandbox, limits=limits, edit_tool=edit_tool, verify=verify, wrong_first=wrong_first
+    )
 
 
 def expert_trajectory_run(
-    *, task: CodingTask, sandbox, limits: AgentLimits | None = None, edit_tool: str = "edit_file"
+    *,
+    task: CodingTask,
+    sandbox,
+    limits: AgentLimits | None = None,
+    edit_tool: str = "edit_file",
+    verify: bool = False,
+    wrong_first: str | None = None,
 ) -> ExpertTrajectory:
     """Run the expert on `task` in `sandbox` (a fresh copy of the task's repository, destroyed after)."""
-    policy = toy_expert_policy(task, edit_tool=edit_tool)
+    policy = toy_expert_policy(task, edit_tool=edit_tool, verify=verify, wrong_first=wrong_first)
     try:
         result = run_agent(
             sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits or AgentLimits()
@@ -104,4 +222,28 @@ def expert_trajectory_run(
         raise ExpertTrajectoryError(
             f"{task.task_id}: the expert's fix did not pass the hidden tests:\n{reward.output_tail}"
         )
+    if verify:
+        # What the model learns to read: each check's output shows the value the report asks for exactly
+        # when the fix before it was right.
+        checks = [message["content"] for message in result.messages if message["role"] == "tool"][2:]
+        checks = checks[::2] if wrong_first is not None else checks
+        expected = task.metadata["report_expected"]
+        shows = [f"\n{expected}\n" in str(output) for output in checks]  # the printed line, not the echo
+        if shows != [False] * (len(shows) - 1) + [True]:
+            raise ExpertTrajectoryError(f"{task.task_id}: the checks' outputs do not tell the fixes apart: {checks}")
     return ExpertTrajectory(task_id=task.task_id, messages=result.messages, reward=reward.value)
+
+
+def expert_variant(task: CodingTask, *, retry_share: float) -> str | None:
+    """The wrong first fix the expert makes on `task` for a retry trajectory, or None for a direct one.
+
+    A share `retry_share` of the tasks that have a wrong fix (wrong_fix_sources) get one, drawn from the
+    task's seed so that a resumed or repeated data run makes the same choice.
+    """
+    if not 0.0 <= retry_share <= 1.0:
+        raise ValueError(f"retry_share must lie in [0, 1], got {retry_share}")
+    rng = random.Random(f"{task.task_id}:retry")
+    if rng.random() >= retry_share:
+        return None
+    candidates = wrong_fix_sources(task)
+    return rng.choice(candidates) if candidates else None
