@@ -144,6 +144,23 @@ def test_retrying_expert_recovers_from_a_wrong_first_fix():
     with pytest.raises(ValueError, match="needs verify=True"):
         toy_expert_policy(task, wrong_first=wrong)
 
+    # SFT shows the wrong edit as context and trains on the recovery only (with context loss too).
+    from training.tokenizer import default_tokenizer
+
+    tokenizer = default_tokenizer(2048)
+    assistant = [m for m in trajectory.messages if m["role"] == "assistant"]
+    assert [m.get("train", True) for m in assistant] == [True, False, True, True, True, True]
+    taught = "".join(render_assistant_completion(m) for m in assistant if m.get("train", True))
+    mistake = render_assistant_completion(assistant[1])
+    for context_loss in (False, True):
+        example = tokenize_trajectory(
+            messages=trajectory.messages, tools=openai_tool_schemas(), tokenizer=tokenizer, context_loss=context_loss
+        )
+        trained = tokenizer.decode([t for t, keep in zip(example.token_ids, example.trainable, strict=True) if keep])
+        assert mistake not in trained
+        if not context_loss:
+            assert trained == taught
+
 
 def test_expert_variant_draws_a_stable_share_of_retries():
     tasks = [generate_toy_task(seed) for seed in range(60)]

@@ -231,7 +231,12 @@ def expert_trajectory_run(
         shows = [f"\n{expected}\n" in str(output) for output in checks]  # the printed line, not the echo
         if shows != [False] * (len(shows) - 1) + [True]:
             raise ExpertTrajectoryError(f"{task.task_id}: the checks' outputs do not tell the fixes apart: {checks}")
-    return ExpertTrajectory(task_id=task.task_id, messages=result.messages, reward=reward.value)
+    messages = result.messages
+    if wrong_first is not None:
+        # The wrong edit is the setting of the lesson, not part of it: SFT keeps it out of the loss.
+        wrong_edit = [index for index, message in enumerate(messages) if message["role"] == "assistant"][1]
+        messages = [*messages[:wrong_edit], {**messages[wrong_edit], "train": False}, *messages[wrong_edit + 1 :]]
+    return ExpertTrajectory(task_id=task.task_id, messages=messages, reward=reward.value)
 
 
 def expert_variant(task: CodingTask, *, retry_share: float) -> str | None:

@@ -105,7 +105,9 @@ def tokenize_trajectory(
     context_loss: bool = False,
 ) -> TokenizedExample:
     """Render with the chat template; assistant completions are trainable, the rest is context
-    (with `context_loss`, user and tool messages are trainable too; the system turn never is).
+    (with `context_loss`, user and tool messages are trainable too; the system turn never is). An
+    assistant message with `"train": false` is never trainable: a deliberate mistake in a recovery
+    trajectory is shown to the model as context, not taught.
 
     Each piece is tokenized separately at its template boundary, which is exactly how the model
     meets it at inference: the prompt (ending in the generation prompt) is encoded, then the
@@ -137,7 +139,7 @@ def tokenize_trajectory(
             raise ValueError(f"Message {index}: the chat template is not prefix-stable for this trajectory.")
         completion = render_assistant_completion(message)
         append_context(prompt[len(rendered) :])
-        append(completion, True)
+        append(completion, message.get("train", True) is not False)
         rendered = prompt + completion
     full = render_messages(messages, tools, add_generation_prompt=False)
     if not full.startswith(rendered):
