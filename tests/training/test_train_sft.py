@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -299,3 +300,11 @@ def test_expert_trajectories_command_records_verified_and_retried_runs(tmp_path)
         direct = ["read_file", "edit_file", "run_terminal"]
         assert names == (direct + ["edit_file", "run_terminal"] if record["retry"] else direct)
     assert any(record["retry"] for record in records)
+
+    # A task whose report call cannot be written into the check command is skipped, not recorded otherwise.
+    unsafe = next(seed for seed in range(400) if report_check_command(generate_toy_task(seed)) is None)
+    skipped = tmp_path / "skipped.jsonl"
+    out = io.StringIO()
+    call_command("expert_trajectories", count=1, start=unsafe, output=str(skipped), sandbox_backend="local",
+                 verify=True, stdout=out)
+    assert skipped.read_text() == "" and "1 skipped (no report call to check with)" in out.getvalue()

@@ -43,6 +43,7 @@ class Command(BaseCommand):
             ExpertTrajectoryError,
             expert_trajectory_create,
             expert_variant,
+            report_check_command,
         )
 
         output = Path(options["output"])
@@ -65,11 +66,14 @@ class Command(BaseCommand):
         except (TaskError, ValueError) as error:
             raise CommandError(str(error)) from error
         output.parent.mkdir(parents=True, exist_ok=True)
-        written = 0
+        written = skipped = 0
         with output.open("a") as sink:
             for seed in seeds:
                 task = generate_toy_task(seed)
                 if task.task_id in done:
+                    continue
+                if options["verify"] and report_check_command(task) is None:
+                    skipped += 1  # its report's call needs shell escaping: no check command to show
                     continue
                 wrong_first = expert_variant(task, retry_share=options["retry_share"]) if options["verify"] else None
                 try:
@@ -85,4 +89,7 @@ class Command(BaseCommand):
                 sink.write(json.dumps(line) + "\n")
                 sink.flush()
                 written += 1
-        self.stdout.write(f"{written} written, {len(seeds) - written} already in {output}")
+        self.stdout.write(
+            f"{written} written, {len(seeds) - written - skipped} already in {output}"
+            + (f", {skipped} skipped (no report call to check with)" if skipped else "")
+        )
