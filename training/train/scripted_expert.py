@@ -7,9 +7,11 @@ says it should return. The visible tests never cover the buggy function (its tes
 this check can tell a wrong fix from a right one inside an episode. Given a wrong first fix
 (`wrong_fix_sources`: another change of the same line that the report's call still exposes), the
 expert makes that edit, sees the check print the wrong value, and fixes the line again: the recovery
-a policy needs to turn a failed first attempt into a pass within one episode. The fix goes through edit_file (search/replace: the learner must copy the faulty
-text exactly) or, with edit_tool="replace_lines", through the line range read_file numbered (the
-learner must name the right line number instead). Its turns are replayed by training.agent.scripted's
+a policy needs to turn a failed first attempt into a pass within one episode.
+
+The fix goes through edit_file (search/replace: the learner must copy the faulty text exactly) or,
+with edit_tool="replace_lines", through the line range read_file numbered (the learner must name the
+right line number instead). Its turns are replayed by training.agent.scripted's
 ScriptedExpertPolicy through the real agent loop in a real sandbox, so the recorded trajectory holds
 genuine tool outputs in exactly the format the model sees in product and RL; a trajectory is kept
 only when the hidden tests then pass.
