@@ -227,8 +227,8 @@ def expert_trajectory_run(
     if verify:
         # What the model learns to read: each check's output shows the value the report asks for exactly
         # when the fix before it was right.
-        checks = [message["content"] for message in result.messages if message["role"] == "tool"][2:]
-        checks = checks[::2] if wrong_first is not None else checks
+        echo = f"$ {report_check_command(task)}\n"
+        checks = [m["content"] for m in result.messages if m["role"] == "tool" and str(m["content"]).startswith(echo)]
         expected = task.metadata["report_expected"]
         shows = [f"\n{expected}\n" in str(output) for output in checks]  # the printed line, not the echo
         if shows != [False] * (len(shows) - 1) + [True]:
