@@ -115,6 +115,9 @@ def test_verifying_expert_checks_the_fix_with_the_report_call():
     task = generate_toy_task(5)
     command = report_check_command(task)
     assert command.startswith("python3 -c ") and task.metadata["report_call"] in command
+    # the call is the report's own `pkg.module.call(...)` span, so a policy can copy it whole
+    module_call = f"{task.metadata['module'][:-3].replace('/', '.')}.{task.metadata['report_call']}"
+    assert f"`{module_call}`" in task.prompt and module_call in command
     trajectory = expert_trajectory_create(task=task, backend=get_backend("local"), verify=True)
     assert trajectory.reward == 1.0
     fix = task.solution

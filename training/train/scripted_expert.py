@@ -71,6 +71,10 @@ _SHELL_UNSAFE = frozenset('"$`\\!')
 def report_check_command(task: CodingTask) -> str | None:
     """A shell command printing the repr of what the bug report's call returns in the workspace now.
 
+    The call is spelled as the report spells it, `pkg.module.function(args)`, so that a policy writes
+    the command by copying one span of the prompt (and its import is that span's prefix) rather than
+    by composing names it has to pick out of several places.
+
     None for a task without a recorded report call (tasks generated before the call was kept in
     metadata, or other tiers), or whose call would need shell escaping inside double quotes.
     """
@@ -78,7 +82,7 @@ def report_check_command(task: CodingTask) -> str | None:
     if not call or not module or _SHELL_UNSAFE & set(call):
         return None
     import_path = module[: -len(".py")].replace("/", ".")
-    return f'python3 -c "import {import_path} as m; print(repr(m.{call}))"'
+    return f'python3 -c "import {import_path}; print(repr({import_path}.{call}))"'
 
 
 def _report_value(source: str, task: CodingTask) -> str:
