@@ -122,12 +122,16 @@ def test_verifying_expert_checks_the_fix_with_the_report_call():
     assert trajectory.reward == 1.0
     fix = task.solution
     assert _calls(trajectory.messages) == [
+        ("run_terminal", {"command": command}),  # reproduce the bug, in the same turn as the read
         ("read_file", {"path": fix.path}),
         ("edit_file", {"path": fix.path, "old_str": fix.old_text, "new_str": fix.new_text}),
         ("run_terminal", {"command": command}),
     ]
-    check_output = [m["content"] for m in trajectory.messages if m["role"] == "tool"][-1]
-    assert f"\n{task.metadata['report_expected']}\n" in check_output and "[exit code 0]" in check_output
+    assert len(trajectory.messages[2]["tool_calls"]) == 2
+    outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    expected_line = f"\n{task.metadata['report_expected']}\n"
+    assert expected_line not in outputs[0]  # the reproduction shows the bug
+    assert expected_line in outputs[-1] and "[exit code 0]" in outputs[-1]
     assert task.metadata["report_expected"] in trajectory.messages[-1]["content"]
 
 
@@ -137,14 +141,16 @@ def test_retrying_expert_recovers_from_a_wrong_first_fix():
     trajectory = expert_trajectory_create(task=task, backend=get_backend("local"), verify=True, wrong_first=wrong)
     assert trajectory.reward == 1.0
     calls = _calls(trajectory.messages)
-    assert [name for name, _ in calls] == ["read_file", "edit_file", "run_terminal", "edit_file", "run_terminal"]
+    assert [name for name, _ in calls] == [
+        "run_terminal", "read_file", "edit_file", "run_terminal", "edit_file", "run_terminal"
+    ]
     buggy = task.files[task.solution.path]
-    first, second = calls[1][1], calls[3][1]
+    first, second = calls[2][1], calls[4][1]
     assert buggy.replace(first["old_str"], first["new_str"]) == wrong  # the wrong fix, exactly
     assert wrong.replace(second["old_str"], second["new_str"]) == task.solution.apply(buggy)  # then the right one
     outputs = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     expected_line = f"\n{task.metadata['report_expected']}\n"
-    assert expected_line not in outputs[2] and expected_line in outputs[4]
+    assert expected_line not in outputs[0] and expected_line not in outputs[3] and expected_line in outputs[5]
     with pytest.raises(ValueError, match="needs verify=True"):
         toy_expert_policy(task, wrong_first=wrong)
 
@@ -300,7 +306,7 @@ def test_expert_trajectories_command_records_verified_and_retried_runs(tmp_path)
         task = generate_toy_task(int(record["task_id"].removeprefix("toy-")))
         names = [name for name, _ in _calls(record["messages"])]
         assert record["retry"] == bool(wrong_fix_sources(task))
-        direct = ["read_file", "edit_file", "run_terminal"]
+        direct = ["run_terminal", "read_file", "edit_file", "run_terminal"]
         assert names == (direct + ["edit_file", "run_terminal"] if record["retry"] else direct)
     assert any(record["retry"] for record in records)
 

@@ -2,8 +2,8 @@
 
 It knows the reference fix (task.solution), so it reads the buggy module, applies the fix and runs
 the visible tests. With verify=True it instead checks the fix the way the bug report states the bug: it
-runs the report's call (`report_check_command`) and compares what it prints with the value the report
-says it should return. The visible tests never cover the buggy function (its tests stay hidden), so only
+runs the report's call (`report_check_command`) first to reproduce the bug, and again after each edit,
+comparing what it prints with the value the report says it should return. The visible tests never cover the buggy function (its tests stay hidden), so only
 this check can tell a wrong fix from a right one inside an episode. Given a wrong first fix
 (`wrong_fix_sources`: another change of the same line that the report's call still exposes), the
 expert makes that edit, sees the check print the wrong value, and fixes the line again: the recovery
@@ -130,7 +130,8 @@ def toy_expert_policy(
 ) -> ScriptedExpertPolicy:
     """The scripted turns that solve `task`: read the module, fix it with `edit_tool`, run the tests, report.
 
-    verify: check the fix with the bug report's call (report_check_command) instead of the visible tests.
+    verify: reproduce the bug with the report's call (report_check_command) while reading the module, and
+    check the fix with the same call instead of the visible tests.
     wrong_first: a source from wrong_fix_sources(task); the expert first edits the module into it, sees the
     check print a wrong value, then fixes the line for real (edit_file only, and only with verify).
     """
@@ -157,10 +158,17 @@ def toy_expert_policy(
     if command is None:
         raise ValueError(f"{task.task_id}: no report call to check the fix with (report_check_command is None)")
     call, expected = task.metadata["report_call"], task.metadata["report_expected"]
-    check = ScriptedTurn(
-        content="Let me run the call from the bug report.", calls=(("run_terminal", {"command": command}),)
+    # Reproduce first, in the same turn as the read: the command is copied from the prompt while the prompt
+    # is a few hundred tokens back (a 2-layer policy does not copy the call from 2k tokens back, stop 42),
+    # and each later check repeats the policy's own first command.
+    reproduce_and_read = ScriptedTurn(
+        content=f"Let me reproduce the bug with the call from the report and read `{fix.path}`.",
+        calls=(("run_terminal", {"command": command}), ("read_file", {"path": fix.path})),
     )
-    turns = [read]
+    check = ScriptedTurn(
+        content="Let me run the call from the bug report again.", calls=(("run_terminal", {"command": command}),)
+    )
+    turns = [reproduce_and_read]
     if wrong_first is not None:
         if edit_tool != "edit_file":
             raise ValueError(f"wrong_first supports edit_tool='edit_file' only, got {edit_tool!r}")
