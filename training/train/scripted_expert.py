@@ -158,9 +158,8 @@ def toy_expert_policy(
     if command is None:
         raise ValueError(f"{task.task_id}: no report call to check the fix with (report_check_command is None)")
     call, expected = task.metadata["report_call"], task.metadata["report_expected"]
-    # Reproduce first, in the same turn as the read: the command is copied from the prompt while the prompt
-    # is a few hundred tokens back (a 2-layer policy does not copy the call from 2k tokens back, stop 42),
-    # and each later check repeats the policy's own first command.
+    # Reproduce first, in the same turn as the read: the bug is confirmed before any edit, the command is
+    # written while the report is a few hundred tokens back, and each later check repeats that first command.
     reproduce_and_read = ScriptedTurn(
         content=f"Let me reproduce the bug with the call from the report and read `{fix.path}`.",
         calls=(("run_terminal", {"command": command}), ("read_file", {"path": fix.path})),
