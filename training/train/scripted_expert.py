@@ -3,8 +3,9 @@
 It knows the reference fix (task.solution), so it reads the buggy module, applies the fix and runs
 the visible tests. With verify=True it instead checks the fix the way the bug report states the bug: it
 runs the report's call (`report_check_command`) first to reproduce the bug, and again after each edit,
-comparing what it prints with the value the report says it should return. The visible tests never cover the buggy function (its tests stay hidden), so only
-this check can tell a wrong fix from a right one inside an episode. Given a wrong first fix
+comparing what it prints with the value the report says it should return. The visible tests never
+cover the buggy function (its tests stay hidden), so only this check can tell a wrong fix from a right
+one inside an episode. Given a wrong first fix
 (`wrong_fix_sources`: another change of the same line that the report's call still exposes), the
 expert makes that edit, sees the check print the wrong value, and fixes the line again: the recovery
 a policy needs to turn a failed first attempt into a pass within one episode.
@@ -136,16 +137,15 @@ def toy_expert_policy(
     check print a wrong value, then fixes the line for real (edit_file only, and only with verify).
     """
     fix = task.solution
-    read = ScriptedTurn(
-        content=f"The bug report points at `{fix.path}`. Let me read it.",
-        calls=(("read_file", {"path": fix.path}),),
-    )
     if not verify:
         if wrong_first is not None:
             raise ValueError("wrong_first needs verify=True: without the check nothing shows the first fix is wrong")
         return ScriptedExpertPolicy(
             turns=[
-                read,
+                ScriptedTurn(
+                    content=f"The bug report points at `{fix.path}`. Let me read it.",
+                    calls=(("read_file", {"path": fix.path}),),
+                ),
                 ScriptedTurn(content="I found the faulty line; fixing it.", calls=(_fix_call(task, edit_tool),)),
                 ScriptedTurn(
                     content="Now I run the test suite to confirm the fix.",
