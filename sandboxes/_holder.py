@@ -11,13 +11,17 @@ could read. It imports only the standard library (it runs before and after
 * ``R``: root filesystem is ready; ``E<message>``: setup failed (the process then exits).
 
 After ``R`` pid 1 keeps the namespaces alive, reaps orphaned children and exits at the lifetime
-deadline, which makes the kernel kill every process left in the sandbox.
+deadline, which makes the kernel kill every process left in the sandbox. It exits earlier when the
+backend process dies: the factory's only argument is the read end of a "lifeline" pipe whose write
+end only the backend process holds, inherited by every sandbox's pid 1, which reads EOF from it as
+soon as the backend is gone (however it died). The factory itself exits on EOF on stdin.
 """
 
 import ctypes
 import fcntl
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -52,6 +56,7 @@ IFF_LOOPBACK = 0x8
 IFF_RUNNING = 0x40
 
 libc = ctypes.CDLL(None, use_errno=True)
+LIFELINE_FD = -1
 
 
 class MountAttr(ctypes.Structure):
@@ -205,14 +210,24 @@ def loopback_up():
         sock.close()
 
 
+def backend_gone():
+    """EOF on the lifeline: the backend process that asked for this sandbox has exited."""
+    if LIFELINE_FD < 0:
+        return False
+    readable, _, _ = select.select([LIFELINE_FD], [], [], 0)
+    return bool(readable)
+
+
 def reap_until(deadline):
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
     while True:
         remaining = deadline - time.time()
         if remaining <= 0:
             return
-        info = signal.sigtimedwait({signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}, min(remaining, 60.0))
+        info = signal.sigtimedwait({signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}, min(remaining, 1.0))
         if info is not None and info.si_signo != signal.SIGCHLD:
+            return
+        if backend_gone():
             return
         while True:
             try:
@@ -354,4 +369,7 @@ def factory():
 
 
 if __name__ == "__main__":
+    import sys
+
+    LIFELINE_FD = int(sys.argv[1]) if len(sys.argv) > 1 else -1
     factory()

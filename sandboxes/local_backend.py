@@ -324,6 +324,11 @@ class LocalBackend(SandboxBackend):
         os.register_at_fork(after_in_child=lambda: (method := reference()) and method())
 
     def _after_fork_in_child(self) -> None:
+        # The parent's lifeline must not be kept open by this child, or the parent's sandboxes
+        # would outlive the parent.
+        for fd in (self._lifeline_read, self._lifeline_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         inherited = self._factory
         if inherited is not None:
             # Close only this process's copies, so the parent's factory still sees EOF when it exits.
@@ -334,6 +339,9 @@ class LocalBackend(SandboxBackend):
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
+        # Write end held only by this process (not inheritable): every sandbox's init process reads
+        # EOF from the read end, and exits, when this process dies (sandboxes/_holder.py).
+        self._lifeline_read, self._lifeline_write = os.pipe()
         self._factory: subprocess.Popen[bytes] | None = None
         self._factory_buffer = b""
         self._factory_lock = threading.Lock()
@@ -566,8 +574,9 @@ class LocalBackend(SandboxBackend):
             factory = self._factory
             if factory is None or factory.poll() is not None:
                 factory = subprocess.Popen(
-                    [sys.executable, "-I", "-S", str(HOLDER_SCRIPT)],
+                    [sys.executable, "-I", "-S", str(HOLDER_SCRIPT), str(self._lifeline_read)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    pass_fds=(self._lifeline_read,),
                     env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, start_new_session=True, close_fds=True,
                 )
                 self._factory = factory

