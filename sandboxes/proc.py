@@ -162,11 +162,10 @@ def reap_zombie_children(skip: Iterable[int] = ()) -> None:
 
 
 def stop_run_processes(owner: str | None, *, pgids: Iterable[int] = (), spare_pgids: Iterable[int] = (),
-                       grace_s: float = 2.0,
-                       skip: Iterable[int] = (), interrupted: Callable[[], bool] = lambda: False) -> int:
+                       grace_s: float = 2.0, interrupted: Callable[[], bool] = lambda: False) -> int:
     """SIGTERM every process of the run, SIGKILL what is left after ``grace_s`` (or as soon as
     ``interrupted()``); returns how many there were. Keeps searching, so children forked while
-    stopping are caught too."""
+    stopping are caught too. Zombies count as gone; reaping them is their parent's business."""
     groups, spared = list(pgids), list(spare_pgids)
     pids = run_processes(owner, pgids=groups, spare_pgids=spared)
     total = set(pids)
@@ -174,7 +173,6 @@ def stop_run_processes(owner: str | None, *, pgids: Iterable[int] = (), spare_pg
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline and not interrupted():
         time.sleep(0.1)
-        reap_zombie_children(skip)
         pids = run_processes(owner, pgids=groups, spare_pgids=spared)
         total.update(pids)
     for _ in range(50):
@@ -182,7 +180,6 @@ def stop_run_processes(owner: str | None, *, pgids: Iterable[int] = (), spare_pg
             break
         signal_all(pids, signal.SIGKILL)
         time.sleep(0.1)
-        reap_zombie_children(skip)
         pids = run_processes(owner, pgids=groups, spare_pgids=spared)
         total.update(pids)
     return len(total)

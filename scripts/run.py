@@ -198,26 +198,28 @@ def stop_everything(children: list[Child]) -> None:
     app = [child for child in reversed(children) if child not in infra]
     spare = [child.pgid for child in infra if child.pgid]
     app_grace = max((child.stop_timeout for child in app), default=0.0)
-    _stop_phase(app, began, min(time.monotonic() + app_grace, deadline - 6.0), strays_spare=spare)
+    owned = [child.proc.pid for child in children if child.proc]
+    _stop_phase(app, began, min(time.monotonic() + app_grace, deadline - 6.0), strays_spare=spare, owned=owned)
     reserve = 3.0
     for child in reversed(infra):
         rest = [other.pgid for other in infra if other is not child and other.pgid]
         _stop_phase([child], began, min(time.monotonic() + child.stop_timeout, deadline - reserve),
-                    strays_spare=rest)
+                    strays_spare=rest, owned=owned)
         reserve = 1.0
     # Anything of the run still alive (forked while we stopped, or outside every group).
-    proc.stop_run_processes(OWNER, grace_s=0.5, skip=[c.proc.pid for c in children if c.proc])
+    proc.stop_run_processes(OWNER, grace_s=0.5)
+    proc.reap_zombie_children(owned)
     if SIGNALS.count > 1:
         log(f"ignored {SIGNALS.count - 1} further signal(s) while stopping ({', '.join(SIGNALS.names[1:])})")
     log(f"stopped everything in {time.monotonic() - began:.1f}s")
 
 
-def _stop_phase(children: list[Child], began: float, until: float, *, strays_spare: list[int]) -> None:
+def _stop_phase(children: list[Child], began: float, until: float, *, strays_spare: list[int],
+                owned: list[int]) -> None:
     """SIGTERM the children's groups and this run's strays outside ``strays_spare``; SIGKILL
     what is left at ``until`` or at once on a third signal; log each child's stop time."""
     if not children:
         return
-    skip = [child.proc.pid for child in children if child.proc]
     for child in children:
         child.signal_group(signal.SIGTERM)
     proc.signal_all(proc.run_processes(OWNER, spare_pgids=strays_spare), signal.SIGTERM)
@@ -241,7 +243,7 @@ def _stop_phase(children: list[Child], began: float, until: float, *, strays_spa
                 child.signal_group(signal.SIGKILL)
             proc.signal_all(strays, signal.SIGKILL)
         time.sleep(0.05)
-        proc.reap_zombie_children(skip)
+        proc.reap_zombie_children(owned)  # orphans handed to us; never a child a Popen waits for
 
 
 def main() -> int:
