@@ -312,9 +312,9 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
             [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={STATE_DIR / 'ray'}",
              "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
-            # Ray drains idle workers for 30 s on SIGTERM; nothing of ours runs there once the
-            # worker and server are stopped, so cut it short.
-            stop_timeout=3.0,
+            # Ray drains for 30 s on SIGTERM; nothing of ours runs there once the worker, the
+            # fleet and the server are stopped, so its group gets SIGKILL after a second.
+            stop_timeout=1.0,
         )
         children.append(ray)
         ray.start(env)
