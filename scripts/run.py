@@ -111,6 +111,10 @@ class Child:
     def pgid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def signal_leader(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
     def signal_group(self, sig: int) -> None:
         if self.proc is not None:
             try:
@@ -216,19 +220,25 @@ def stop_everything(children: list[Child]) -> None:
 
 def _stop_phase(children: list[Child], began: float, until: float, *, strays_spare: list[int],
                 owned: list[int]) -> None:
-    """SIGTERM the children's groups and this run's strays outside ``strays_spare``; SIGKILL
+    """SIGTERM the children (their group leaders, which stop their own workers, as Celery's warm
+    shutdown does) and this run's strays outside every child's group and ``strays_spare``; SIGKILL
     what is left at ``until`` or at once on a third signal; log each child's stop time."""
     if not children:
         return
+    groups = [child.pgid for child in children if child.pgid]
     for child in children:
-        child.signal_group(signal.SIGTERM)
-    proc.signal_all(proc.run_processes(OWNER, spare_pgids=strays_spare), signal.SIGTERM)
+        child.signal_leader(signal.SIGTERM)
+    proc.signal_all(proc.run_processes(OWNER, spare_pgids=strays_spare + groups), signal.SIGTERM)
     killed_at: float | None = None
     while True:
         for child in children:
-            if not child.stopped and child.gone():
+            if child.stopped:
+                continue
+            if child.gone():
                 child.stopped = True
                 log(f"stopped {child.name} at +{time.monotonic() - began:.1f}s{' (SIGKILL)' if killed_at is not None else ''}")
+            elif child.proc is not None and child.proc.poll() is not None:
+                child.signal_group(signal.SIGKILL)  # the leader is done: what it left in its group goes
         strays = proc.run_processes(OWNER, spare_pgids=strays_spare)
         if all(child.stopped for child in children) and not strays:
             return
