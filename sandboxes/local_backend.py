@@ -548,10 +548,11 @@ class LocalBackend(SandboxBackend):
         try:
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
+                    # --exit-fd: it exits when the lifeline reports EOF, i.e. when this process dies.
                     ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                     f"--ready-fd={ready_write}", str(pid), "tap0"],
+                     f"--ready-fd={ready_write}", f"--exit-fd={self._lifeline_read}", str(pid), "tap0"],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=(ready_write,), start_new_session=True,
+                    pass_fds=(ready_write, self._lifeline_read), start_new_session=True,
                 )
             os.close(ready_write)
             ready_write = -1

@@ -84,26 +84,30 @@ def test_destroy_kills_the_init_process_and_removes_state(state_root, repo):
 
 def test_sandboxes_die_with_their_owner_process_and_reap_orphans_clears_them(state_root, repo):
     """Killed by SIGKILL (no cleanup runs), the owner's sandboxes still end within seconds:
-    their init processes read EOF on the owner's lifeline pipe."""
+    their init processes (and slirp4netns, with network on) read EOF on the owner's lifeline pipe."""
+    network = shutil.which("slirp4netns") is not None
     script = (
         "import os, sys; from pathlib import Path\n"
         "from sandboxes.local_backend import LocalBackend, LocalBackendConfig\n"
         "from sandboxes.base import RepoSource, SandboxLimits\n"
         f"backend = LocalBackend(LocalBackendConfig(root=Path({str(state_root)!r})))\n"
         f"snap = backend.snapshot_create(source=RepoSource(kind='path', location={str(repo)!r}))\n"
-        "box = backend.sandbox_create(snapshot=snap, limits=SandboxLimits(lifetime_s=120, command_timeout_s=10))\n"
+        "box = backend.sandbox_create(snapshot=snap, limits=SandboxLimits(lifetime_s=120, command_timeout_s=10,\n"
+        f"                                                                network={network}))\n"
         "box.exec('sleep 100 >/dev/null 2>&1 &')\n"
-        "print(box.holder_pid, backend._factory.pid, flush=True)\n"
+        "network = box._holder.network.pid if box._holder.network else 0\n"
+        "print(box.holder_pid, backend._factory.pid, network, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     backend = LocalBackend(LocalBackendConfig(root=state_root))
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == -9, result.stderr
-    holder, factory = (int(part) for part in result.stdout.split())
+    holder, factory, slirp = (int(part) for part in result.stdout.split())
+    assert bool(slirp) == network
     deadline = time.monotonic() + 5
-    while _alive(holder) or _alive(factory):
-        assert time.monotonic() < deadline, "a sandbox or the factory outlived its owner by 5 s"
+    while _alive(holder) or _alive(factory) or (slirp and _alive(slirp)):
+        assert time.monotonic() < deadline, "a sandbox, its network or the factory outlived its owner by 5 s"
         time.sleep(0.02)
     assert backend.reap_orphans() == 1
     assert list((state_root / "registry").iterdir()) == []
