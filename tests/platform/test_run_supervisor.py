@@ -4,14 +4,16 @@ Each test starts the real supervisor (scripts/run.py: embedded Redis, migrate, R
 worker, sandbox fleet, uvicorn) from one shared copy of this checkout, waits for /healthz, stops it
 the way a user or a process manager would, and walks /proc for anything of that run still alive
 (its process groups, its state directory in a process's environment, working directory or command
-line). A start is heavy (about 30-60 s on two busy cores), so the copy is shared and the four cases
-run in one module; the next case's start is also the check that a stopped run leaves nothing that
-stops the next one from coming up.
+line). A start is heavy (on two busy cores: about 170 s for the first, which migrates a fresh
+SQLite database, then 60-70 s), so the copy is shared and the four cases (five starts, about 8
+minutes) run in one module; each case's start is also the check that the stopped run before it left
+nothing that keeps the next one from coming up.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -82,6 +84,8 @@ def _assert_clean_stop(run, how: str) -> float:
         assert f"] stopped {name} at +" in log, f"{how}: no stop time logged for {name}:\n{log[-3000:]}"
     assert "] stopped everything in" in log
     assert not (run.state_dir / "run.pid").exists()
+    stops = re.findall(r"\] stopped (.+? at \+[\d.]+s)", log)
+    print(f"{how}: every process gone {seconds:.1f}s after the first signal; {', '.join(stops)}")
     return seconds
 
 
@@ -92,8 +96,19 @@ def test_one_sigint_stops_every_process(started):
     assert not os.path.exists(f"/proc/{orphan}")
 
 
-def test_sigterm_to_the_process_group_stops_every_process(started):
-    _assert_clean_stop(started(), "sigterm-group")
+def test_a_second_start_is_refused_and_sigterm_to_the_process_group_stops_every_process(started, checkout):
+    run = started()
+    # A second supervisor on the same state directory (another port) must leave the live run alone.
+    env = {key: value for key, value in os.environ.items() if key not in SCRUBBED}
+    env.update(FLOWSTATE_PORT=str(free_port()), PYTHONPATH=str(checkout))
+    second = subprocess.run([sys.executable, str(checkout / "scripts" / "run.py")], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0
+    assert f"another `make run` (pid {run.process.pid}) is running" in second.stderr + second.stdout
+    assert run.healthz() is not None, "the refused start must leave the running one alone"
+    assert not [line for line in run.leftovers()
+                if "scripts/run.py" in line and int(line.split()[0]) != run.process.pid]
+    _assert_clean_stop(run, "sigterm-group")
 
 
 def test_three_signals_in_quick_succession_do_not_abort_the_stop(started):
@@ -122,17 +137,3 @@ def test_after_kill_9_of_the_supervisor_the_next_start_removes_what_is_left(star
     assert "another `make run`" not in restarted.log()
     _assert_clean_stop(restarted, "sigint")
     print(f"kill -9: all processes gone {seconds:.1f}s after the signal; left then: {left}")
-
-
-def test_a_second_start_on_a_live_state_directory_is_refused(started, checkout):
-    run = started()
-    try:
-        env = {key: value for key, value in os.environ.items() if key not in SCRUBBED}
-        env.update(FLOWSTATE_PORT=str(free_port()), PYTHONPATH=str(checkout))
-        second = subprocess.run([sys.executable, str(checkout / "scripts" / "run.py")], cwd=checkout, env=env,
-                                capture_output=True, text=True, timeout=120)
-        assert second.returncode != 0
-        assert f"another `make run` (pid {run.process.pid}) is running" in second.stderr + second.stdout
-        assert run.healthz() is not None, "the refused start must leave the running one alone"
-    finally:
-        _assert_clean_stop(run, "sigint")
