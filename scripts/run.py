@@ -268,11 +268,11 @@ def main() -> int:
     if not env.get("FLOWSTATE_MODEL_CHECKPOINT") and (DEMO_MODEL / "model.safetensors").is_file():
         env["FLOWSTATE_MODEL_CHECKPOINT"] = str(DEMO_MODEL)
     children: list[Child] = []
-    if port_answers(PORT):
-        raise SystemExit(f"[flowstate] port {PORT} is already in use (another `make run`?); stop it or set FLOWSTATE_PORT")
     lock_fd = lock_state_dir()
     try:
-        remove_stale_run()
+        remove_stale_run()  # first: a crashed run's server may still hold the port
+        if port_answers(PORT):
+            raise SystemExit(f"[flowstate] port {PORT} is already in use; stop what serves it or set FLOWSTATE_PORT")
         # Orphans of our children (drivers, sandbox init processes) become ours, to stop and reap.
         proc.become_subreaper()
         start_children(children, env)
