@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -137,3 +138,28 @@ def test_after_kill_9_of_the_supervisor_the_next_start_removes_what_is_left(star
     assert "another `make run`" not in restarted.log()
     _assert_clean_stop(restarted, "sigint")
     print(f"kill -9: all processes gone {seconds:.1f}s after the signal; left then: {left}")
+
+
+def test_a_busy_port_is_refused_without_touching_another_run(tmp_path):
+    """Cheap (no services start): the supervisor stops nothing but its own state directory's leftovers."""
+    from sandboxes import proc
+    from tests.platform.supervisor_harness import ROOT
+
+    other_state = tmp_path / "other" / "var"
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                                 env={**os.environ, proc.RUN_OWNER_ENV: str(other_state)})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        env = {key: value for key, value in os.environ.items() if key not in SCRUBBED}
+        env.update(FLOWSTATE_PORT=str(busy.getsockname()[1]), FLOWSTATE_STATE_DIR=str(tmp_path / "var"))
+        try:
+            result = subprocess.run([sys.executable, str(ROOT / "scripts" / "run.py")], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode != 0
+            assert f"port {busy.getsockname()[1]} is already in use" in result.stderr, result.stderr
+            assert bystander.poll() is None, "a process of another state directory was stopped"
+            assert not (tmp_path / "var" / "run.pid").exists()
+        finally:
+            bystander.kill()
+            bystander.wait()
