@@ -165,7 +165,8 @@ def main() -> int:
 
         worker = Child(
             "celery worker",
-            [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h"],
+            [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h",
+             "-Q", "agents,experiments,maintenance"],  # every queue of settings.FLOWSTATE_CELERY_QUEUES
         )
         # One sandbox host actor per Ray node with sandbox_slots, feeding the fleet dashboard.
         fleet = Child(

@@ -142,6 +142,15 @@ if CELERY_TASK_TIME_LIMIT <= CELERY_TASK_SOFT_TIME_LIMIT:
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT + 600}
 CELERY_TASK_TRACK_STARTED = True
 CELERY_TASK_ALWAYS_EAGER = False
+# Named queues (docs/DEPLOY.md): agent tasks, experiment control and maintenance each have their own,
+# so a burst on one never starves another when a worker serves it; unrouted tasks go to maintenance.
+FLOWSTATE_CELERY_QUEUES = ("agents", "experiments", "maintenance")
+CELERY_TASK_DEFAULT_QUEUE = "maintenance"
+CELERY_TASK_ROUTES = {
+    "agents.*": {"queue": "agents"},
+    "experiments.*": {"queue": "experiments"},
+    "core.*": {"queue": "maintenance"},
+}
 
 CHANNEL_LAYERS = {
     "default": {
