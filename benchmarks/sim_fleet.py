@@ -49,26 +49,26 @@ class SimConfig:
     hosts: int = 1000
     slots: int = 64
     placement_choices: int = 8
-    reserved_slots: int = 4
+    reserved_slots: int = 3
     """``product_reserved_slots`` of the ``priority+reserve`` policy."""
     start_hour: float = 11.0
     """Time of day the simulated window starts (the daily curve's phase)."""
     hours: float = 3.0
-    product_peak_per_s: float = 14.0
+    product_peak_per_s: float = 8.0
     """Product arrivals per second at the daily peak (15:00); 10 % of that at 03:00."""
     product_users: int = 200
-    product_median_s: float = 150.0
+    product_median_s: float = 240.0
     product_sigma: float = 0.8
     product_max_s: float = 1800.0
     experiments: int = 6
     burst_rollouts: int = 10_000
-    bursts_per_episode: int = 8
-    burst_interval_s: float = 125.0
-    episode_starts_s: tuple[float, ...] = (1200.0, 6000.0)
+    bursts_per_episode: int = 12
+    burst_interval_s: float = 60.0
+    episode_starts_s: tuple[float, ...] = (1200.0,)
     rollout_median_s: float = 900.0
     rollout_sigma: float = 1.0
     rollout_max_s: float = 3600.0
-    join_at_s: float = 2100.0
+    join_at_s: float = 1500.0
     """When the extra host joins (mid-way through the first episode)."""
     seed: int = 47
 
@@ -98,9 +98,9 @@ class PolicyResult:
     utilisation_in_bursts: float
     """Slots in use / slots in the fleet, time-averaged over the burst seconds."""
     tenant_share_max_min: float
-    """Round robin: in each minute with several experiments backlogged (20 grants or more), the largest
-    over the smallest ratio of an experiment's grants to its fair share; the median over those minutes
-    (1.0 is perfect; inf: in most such minutes some backlogged experiment got nothing)."""
+    """Round robin: in each minute with several experiments deeply backlogged (as many requests waiting
+    as there are hosts), the largest over the smallest ratio of such an experiment's grants to its fair
+    share; the median over those minutes (1.0 is perfect; inf: in most such minutes one got nothing)."""
     joined_host_first_grant_s: float
     """Seconds from the host joining to its first admitted sandbox (inf: never)."""
     joined_host_full_s: float
@@ -267,8 +267,11 @@ class FleetSim:
         self._schedule(self.now + duration_s, "finish", (host.name,))
 
     def _share_count(self, tenant: str) -> None:
-        backlogged = [name for name, waiting in self.training_waiting.items() if waiting > 0]
-        if len(backlogged) < 2:
+        # Only tenants with a deep backlog (one waiting request per host on average) compete: one with a
+        # handful left waits on a few hosts and cannot take a fleet-wide share, however fair the turns.
+        deep = len(self.hosts)
+        backlogged = [name for name, waiting in self.training_waiting.items() if waiting >= deep]
+        if len(backlogged) < 2 or tenant not in backlogged:
             return
         window = int(self.now // SHARE_WINDOW_S)
         actual = self.stats.share_actual.setdefault(window, {})

@@ -56,8 +56,8 @@ def test_utilisation_during_bursts(report):
 def test_tenants_take_turns_fleet_wide(report):
     results = _by_policy(report)
     assert results["fifo"].tenant_share_max_min >= 5  # first come first served: the oldest burst takes all
-    assert results["priority+reserve"].tenant_share_max_min <= 2.0
-    assert results["priority"].tenant_share_max_min <= 2.5
+    assert results["priority+reserve"].tenant_share_max_min <= 1.5  # turns per host add up fleet-wide
+    assert results["priority"].tenant_share_max_min <= 1.5
 
 
 def test_a_host_joining_mid_burst_takes_work(report):
