@@ -334,7 +334,8 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
     log(f"ray: {env['RAY_ADDRESS']}")
     worker = Child(
         "celery worker",
-        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h"],
+        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h",
+         "-Q", "agents,experiments,maintenance"],  # every queue of settings.FLOWSTATE_CELERY_QUEUES
         # Warm shutdown finishes running tasks; late-acked ones that do not finish go back to the queue.
         stop_timeout=8.0,
     )

@@ -132,7 +132,8 @@ def asgi_server(transactional_db):
 def celery_worker_process(transactional_db):
     """A real Celery worker child process on the real broker, using the test database."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "--loglevel", "warning", "--without-gossip", "--without-mingle", "-n", f"test-{os.getpid()}@%h"],
+        [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "--loglevel", "warning", "--without-gossip", "--without-mingle", "-n", f"test-{os.getpid()}@%h",
+         "-Q", ",".join(settings.FLOWSTATE_CELERY_QUEUES)],
         cwd=ROOT,
         env=_test_database_env(),
     )

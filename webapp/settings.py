@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import environ
+from kombu import Queue
 
 from webapp.env import (
     ConfigurationError,
@@ -142,6 +143,17 @@ if CELERY_TASK_TIME_LIMIT <= CELERY_TASK_SOFT_TIME_LIMIT:
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT + 600}
 CELERY_TASK_TRACK_STARTED = True
 CELERY_TASK_ALWAYS_EAGER = False
+# Named queues (docs/DEPLOY.md): agent tasks, experiment control and maintenance each have their own,
+# so a burst on one never starves another when a worker serves it; unrouted tasks go to maintenance.
+FLOWSTATE_CELERY_QUEUES = ("agents", "experiments", "maintenance")
+CELERY_TASK_DEFAULT_QUEUE = "maintenance"
+# Declared, so a worker started without -Q consumes every queue instead of only the default one.
+CELERY_TASK_QUEUES = tuple(Queue(name) for name in FLOWSTATE_CELERY_QUEUES)
+CELERY_TASK_ROUTES = {
+    "agents.*": {"queue": "agents"},
+    "experiments.*": {"queue": "experiments"},
+    "core.*": {"queue": "maintenance"},
+}
 
 CHANNEL_LAYERS = {
     "default": {

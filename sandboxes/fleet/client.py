@@ -10,6 +10,7 @@ places one ``SandboxHostActor`` on it that claims all of the node's slots. ``Fle
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 
 from sandboxes.base import (
@@ -23,6 +24,7 @@ from sandboxes.base import (
     Snapshot,
 )
 from sandboxes.fleet.host import SandboxHostActor, SandboxHostConfig, default_host_name
+from sandboxes.fleet.placement import HostLoad, PlacementError, host_pick, placement_candidates
 
 SLOT_RESOURCE = "sandbox_slots"
 FORWARDED_ENV = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SANDBOX_ROOT", "SANDBOX_IMAGE",
@@ -55,6 +57,10 @@ class FleetConfig:
     """Longest a create/fork waits for a slot before failing; ``None`` waits."""
     namespace: str = "flowstate"
     """Ray namespace of the named host actors."""
+    placement_choices: int = 8
+    """Hosts asked for their load per request (the least loaded wins); 0 asks every host."""
+    product_reserved_slots: int = 0
+    """Slots per host that training may not take, kept free for product requests."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for host actors, on top of the forwarded DJANGO/DATABASE/REDIS/SANDBOX variables."""
 
@@ -63,6 +69,10 @@ class FleetConfig:
             raise ValueError(f"FleetConfig.backend={self.backend!r}; use 'local' or 'docker'")
         if not 0.05 <= self.heartbeat_interval_s <= 2.0:
             raise ValueError("FleetConfig.heartbeat_interval_s must be within 0.05..2 s")
+        if self.placement_choices < 0:
+            raise ValueError("FleetConfig.placement_choices must be 0 (every host) or positive")
+        if self.product_reserved_slots < 0:
+            raise ValueError("FleetConfig.product_reserved_slots must not be negative")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class Fleet:
             )
         self.config = config
         self.hosts = {host.name: host for host in hosts}
+        self._rng = random.Random()
 
     @classmethod
     def start(cls, config: FleetConfig | None = None) -> Fleet:
@@ -114,6 +125,7 @@ class Fleet:
                 host_name=name, slots=slots, backend=config.backend,
                 heartbeat_interval_s=config.heartbeat_interval_s, heartbeat_sink=config.heartbeat_sink,
                 admission_timeout_s=config.admission_timeout_s,
+                product_reserved_slots=min(config.product_reserved_slots, slots - 1),
             )
             actor = SandboxHostActor.options(
                 name=f"sandbox-host-{node_id[:12]}",
@@ -159,17 +171,20 @@ class Fleet:
         ])
         return FleetSnapshot(key=snapshots[0].id, per_host=dict(zip(names, snapshots, strict=True)))
 
-    def _pick_host(self, count: int) -> _Host:
+    def _pick_host(self, count: int, purpose: str) -> _Host:
         import ray
 
-        loads = ray.get([host.actor.load.remote() for host in self.hosts.values()])
-        fitting = [load for load in loads if load["slots"] >= count]
-        if not fitting:
-            biggest = max(host.slots for host in self.hosts.values())
-            raise SandboxError(f"{count} sandboxes exceed the largest host ({biggest} slots); split the request")
-        # Most free slots first; among full hosts, the shortest queue relative to size.
-        best = max(fitting, key=lambda load: (load["free"] - load["waiting"]) / load["slots"])
-        return self.hosts[best["host_name"]]
+        names = placement_candidates(names=list(self.hosts), choices=self.config.placement_choices, rng=self._rng)
+        while True:
+            loads = ray.get([self.hosts[name].actor.load.remote() for name in names])
+            try:
+                best = host_pick(loads=[HostLoad.from_dict(load) for load in loads], count=count, purpose=purpose)
+            except PlacementError:
+                if len(names) == len(self.hosts):
+                    raise
+                names = list(self.hosts)  # the sample held only small hosts: ask them all
+                continue
+            return self.hosts[best.name]
 
     def sandbox_create(self, *, snapshot: FleetSnapshot, limits: SandboxLimits, purpose: str = "training",
                        tenant: str = "default") -> FleetSandbox:
@@ -180,7 +195,7 @@ class Fleet:
         """Start ``count`` sandboxes on one host; waits in that host's queue while it is full."""
         import ray
 
-        host = self._pick_host(count)
+        host = self._pick_host(count, purpose)
         host_snapshot = snapshot.per_host[host.name]
         ids = ray.get(host.actor.fork.remote(snapshot=host_snapshot, count=count, limits=limits,
                                              purpose=purpose, tenant=tenant))

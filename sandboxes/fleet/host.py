@@ -47,6 +47,8 @@ class SandboxHostConfig:
     """Longest a create/fork request waits for slots; ``None`` waits as long as it takes."""
     max_waiting: int = 10_000
     """Requests that may wait at once before new ones are rejected."""
+    product_reserved_slots: int = 0
+    """Slots training may not take, kept free for product requests (see ``AdmissionConfig``)."""
     workers: int | None = None
     """Threads running blocking backend calls; default ``slots + 4`` so every slot can work at once."""
     reap_interval_s: float = 5.0
@@ -99,7 +101,8 @@ class SandboxHost:
         self.backend = get_backend(config.backend)
         # A host that died left its sandboxes behind on this node; clean them up before taking work.
         self.reaped_at_start = self.backend.reap_orphans()
-        self.admission = AdmissionController(AdmissionConfig(slots=config.slots, max_waiting=config.max_waiting))
+        self.admission = AdmissionController(AdmissionConfig(
+            slots=config.slots, max_waiting=config.max_waiting, product_reserved_slots=config.product_reserved_slots))
         self._pool = ThreadPoolExecutor(max_workers=config.workers or config.slots + 4, thread_name_prefix="host")
         self._sandboxes: dict[str, _Entry] = {}
         self._starting = 0
@@ -263,9 +266,10 @@ class SandboxHost:
 
     async def load(self) -> dict:
         """Cheap routing figures for the fleet client: slots free and requests waiting."""
-        metrics = self.admission.metrics()
         return {"host_name": self.config.host_name, "free": self.admission.free_slots,
-                "slots": self.config.slots, "waiting": metrics.waiting}
+                "slots": self.config.slots, "waiting": self.admission.waiting,
+                "product_waiting": self.admission.product_waiting,
+                "reserved": self.config.product_reserved_slots}
 
     async def last_heartbeat(self) -> dict | None:
         return self._last_heartbeat

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import websockets
+from django.conf import settings
 
 from webapp.accounts.services import api_token_get_or_create
 
@@ -122,7 +123,8 @@ def test_cancel_from_the_api_stops_a_running_task(owner, demo_repository, celery
 def _start_worker(env: dict[str, str], name: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--pool", "solo", "--loglevel", "warning",
-         "--without-gossip", "--without-mingle", "-n", f"{name}-{os.getpid()}@%h"],
+         "--without-gossip", "--without-mingle", "-n", f"{name}-{os.getpid()}@%h",
+         "-Q", ",".join(settings.FLOWSTATE_CELERY_QUEUES)],
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env=env,
     )
 

@@ -86,3 +86,37 @@ async def test_large_fork_is_not_starved_and_timeouts_reject_cleanly():
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="at least 1"):
         AdmissionConfig(slots=0)
+
+
+async def test_reserved_slots_stay_free_for_product():
+    control = AdmissionController(AdmissionConfig(slots=4, product_reserved_slots=1))
+    for _ in range(3):
+        await control.acquire(purpose="training", tenant="exp")
+    training = asyncio.create_task(control.acquire(purpose="training", tenant="exp"))
+    await _settle()
+    assert not training.done() and control.free_slots == 1  # the last slot is not training's
+    await asyncio.wait_for(control.acquire(purpose="product", tenant="user"), 1)  # product takes it at once
+    control.release(count=1)
+    await _settle()
+    assert not training.done()  # the freed slot is the reserve again
+    control.release(count=1)
+    await asyncio.wait_for(training, 1)
+    with pytest.raises(AdmissionRejected, match="3 slots training may use"):
+        control.enqueue(purpose="training", tenant="exp", count=4, on_grant=lambda: None)
+    with pytest.raises(ValueError, match="product_reserved_slots=4 must be within 0..3"):
+        AdmissionConfig(slots=4, product_reserved_slots=4)
+
+
+def test_synchronous_queue_on_a_given_clock():
+    now = [100.0]
+    control = AdmissionController(AdmissionConfig(slots=1), clock=lambda: now[0])
+    granted: list[str] = []
+    control.enqueue(purpose="training", tenant="a", on_grant=lambda: granted.append("a"))
+    waiting = control.enqueue(purpose="training", tenant="b", on_grant=lambda: granted.append("b"))
+    gone = control.enqueue(purpose="training", tenant="c", on_grant=lambda: granted.append("c"))
+    assert granted == ["a"] and control.waiting == 2
+    assert control.cancel(gone) and control.waiting == 1
+    now[0] = 102.5
+    control.release(count=1)
+    assert granted == ["a", "b"] and not control.cancel(waiting)  # granted: the caller owns the slot
+    assert control.metrics().wait_p95_s == 2.5  # waits are measured on the given clock

@@ -26,6 +26,8 @@ class Command(BaseCommand):
                             help="sandbox backend (default settings.SANDBOX_BACKEND)")
         parser.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds (<= 2)")
         parser.add_argument("--lost-after", type=float, default=6.0, help="seconds of silence before a host is lost")
+        parser.add_argument("--product-reserved-slots", type=int, default=0,
+                            help="slots per host kept free for product requests during training bursts")
 
     def handle(self, *args, **options):
         if options["address"] and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
@@ -47,7 +49,8 @@ class Command(BaseCommand):
             ray.init(resources={"sandbox_slots": options["slots"]}, include_dashboard=False)
         try:
             fleet = Fleet.start(FleetConfig(backend=options["backend"] or settings.SANDBOX_BACKEND,
-                                            heartbeat_interval_s=options["heartbeat"]))
+                                            heartbeat_interval_s=options["heartbeat"],
+                                            product_reserved_slots=options["product_reserved_slots"]))
         except (ValueError, RuntimeError) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(f"fleet running: {', '.join(f'{h.name} ({h.slots} slots)' for h in fleet.hosts.values())}")
