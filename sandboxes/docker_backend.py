@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 
 from sandboxes import safe_fs
-from sandboxes.archives import ArchiveLimits, extract_archive
+from sandboxes.archives import ArchiveLimits
+from sandboxes.materialize import materialize_source
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
@@ -335,30 +336,8 @@ class DockerBackend(SandboxBackend):
             raise SnapshotError(f"image {image} is not present on this Docker engine (no registry is reachable)") from None
 
     def _materialize(self, source: RepoSource, tree: Path) -> None:
-        if source.kind == "path":
-            origin = Path(source.location)
-            if not origin.is_dir():
-                raise SnapshotError(f"snapshot source path {origin} is not a directory")
-            tree.mkdir()
-            result = subprocess.run(["cp", "-a", "--", f"{origin}/.", str(tree)], capture_output=True, text=True,
-                                    check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"copying {origin} failed: {result.stderr.strip()}")
-        elif source.kind == "git":
-            env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "GIT_TERMINAL_PROMPT": "0", "HOME": str(self.root)}
-            argv = ["git", "clone", "--quiet", "--no-hardlinks"] + (["--no-checkout"] if source.ref else [])
-            result = subprocess.run([*argv, "--", source.location, str(tree)], capture_output=True, text=True,
-                                    env=env, timeout=600, check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"git clone {source.location} failed: {result.stderr.strip()[-2000:]}")
-            if source.ref:
-                result = subprocess.run(["git", "-C", str(tree), "checkout", "--quiet", source.ref, "--"],
-                                        capture_output=True, text=True, env=env, timeout=300, check=False)
-                if result.returncode != 0:
-                    raise SnapshotError(f"git checkout {source.ref} failed: {result.stderr.strip()[-2000:]}")
-        else:
-            tree.mkdir()
-            extract_archive(Path(source.location), tree, limits=self.config.archive_limits)
+        materialize_source(source=source, tree=tree, run_as=(AGENT_UID, AGENT_UID),
+                           archive_limits=self.config.archive_limits)
 
     @staticmethod
     def _chown_tree(tree: Path) -> None:

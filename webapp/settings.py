@@ -179,6 +179,8 @@ AGENT_BUILTIN_MODEL_NAME = env_str("AGENT_BUILTIN_MODEL_NAME", "flowstate")
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_UPLOAD_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+# Git hosts whose internal (loopback/private) addresses may be cloned from; all others must be public.
+GIT_ALLOWED_HOSTS = [host.lower() for host in env_list("FLOWSTATE_GIT_ALLOWED_HOSTS", [])]
 
 # --- Auth ------------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

@@ -14,11 +14,18 @@ from typing import Any
 
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.safe_fs import normalize_relative
+from sandboxes.tool_impl.lines import count_lines, line_slice
 from sandboxes.tool_impl.lints import LintUnavailable, introduced_diagnostics
 from sandboxes.tool_impl.text import diff_sections, head_tail, number_lines, original_from_diff
 
 READ_FILE_MAX_LINES = 2000
 """Most lines one read_file call returns; the result says how to read the rest."""
+READ_FILE_MAX_BYTES = 512 * 1024
+"""Most bytes of file text one read_file call returns (fewer lines when they are long)."""
+LINT_MAX_FILE_BYTES = 256 * 1024
+"""read_lints skips larger Python files (with a note): ruff's diagnostics on them can dwarf the file."""
+LINT_MAX_DIAGNOSTICS = 200
+"""Most diagnostics read_lints returns; the count of the rest is given."""
 GREP_MAX_RESULTS = 500
 """Upper bound on grep's max_results argument."""
 GREP_MAX_COLUMNS = 300
@@ -53,12 +60,13 @@ def _decode_text(data: bytes, path: str) -> str:
 
 
 def read_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
+    # Works on bytes and decodes only the lines returned: host memory is the file's bytes plus the
+    # (capped) result, never one object per line.
     path = normalize_relative(args["path"])
-    text = _decode_text(sandbox.read_bytes(path), path)
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    total = len(lines)
+    data = sandbox.read_bytes(path)
+    if b"\x00" in data[:8192]:
+        raise ToolFailure(f"{path} is a binary file ({len(data)} bytes); read_file only shows text")
+    total = count_lines(data)
     start = args.get("start_line", 1)
     end = args.get("end_line", total)
     if start > max(total, 1):
@@ -66,7 +74,21 @@ def read_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     if end < start:
         raise ToolFailure(f"end_line {end} is before start_line {start}")
     end = min(end, total, start + READ_FILE_MAX_LINES - 1)
-    body = number_lines(lines[start - 1 : end], start) if total else ""
+    chunk = line_slice(data, start, end) if total else b""
+    del data
+    if len(chunk) > READ_FILE_MAX_BYTES:
+        cut = chunk.rfind(b"\n", 0, READ_FILE_MAX_BYTES) + 1
+        if cut > 0:
+            end = start + chunk.count(b"\n", 0, cut) - 1
+            chunk = chunk[:cut]
+    lines = chunk.decode("utf-8", "replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    clipped = len(chunk) > READ_FILE_MAX_BYTES
+    if clipped:
+        end = start
+        lines = [lines[0][: READ_FILE_MAX_BYTES // 4] + f" [line cut at {READ_FILE_MAX_BYTES // 4} characters]"]
+    body = number_lines([line + "\n" for line in lines], start) if total else ""
     header = f"{path} (lines {start}-{end} of {total})\n" if total else f"{path} (empty file)\n"
     footer = ""
     if end < min(args.get("end_line", total), total):
@@ -269,13 +291,18 @@ def read_lints(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
         skipped = []
     diagnostics = []
     checked = []
+    too_big = []
     for path in paths:
         try:
-            current = sandbox.read_bytes(path).decode("utf-8", "replace")
+            raw = sandbox.read_bytes(path)
         except SandboxError as exc:
             if path in sections and "+++ /dev/null" in sections[path]:
                 continue
             raise ToolFailure(str(exc)) from None
+        if len(raw) > LINT_MAX_FILE_BYTES or "\nLarge files " in sections.get(path, ""):
+            too_big.append(path)
+            continue
+        current = raw.decode("utf-8", "replace")
         original = original_from_diff(current, sections[path]) if path in sections else current
         try:
             diagnostics += introduced_diagnostics(path, current, original)
@@ -283,12 +310,16 @@ def read_lints(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
             raise ToolFailure(str(exc)) from None
         checked.append(path)
     note = "".join(f"{p}: not a Python file; read_lints checks .py files only\n" for p in skipped)
+    note += "".join(f"{p}: over {LINT_MAX_FILE_BYTES} bytes; read_lints does not check files this large\n"
+                    for p in too_big)
     if not checked:
         return Outcome(note + "No changed Python files to lint.\n", meta={"files": 0, "diagnostics": 0})
     if not diagnostics:
         return Outcome(note + f"No new lint errors in {len(checked)} file(s).\n",
                        meta={"files": len(checked), "diagnostics": 0})
-    body = "".join(d.render() + "\n" for d in diagnostics)
+    body = "".join(d.render() + "\n" for d in diagnostics[:LINT_MAX_DIAGNOSTICS])
+    if len(diagnostics) > LINT_MAX_DIAGNOSTICS:
+        body += f"[{len(diagnostics) - LINT_MAX_DIAGNOSTICS} more not shown; fix these first]\n"
     return Outcome(note + f"{len(diagnostics)} new lint error(s):\n{body}",
                    meta={"files": len(checked), "diagnostics": len(diagnostics)})
 

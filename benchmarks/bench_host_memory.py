@@ -1,0 +1,151 @@
+"""Host memory of the host-side tools on a hostile file, and snapshot creation time (issue 42).
+
+A sandbox (local backend) gets a 30 MB Python file of 2-byte lines (``x\\n`` * 15M: every line is an
+undefined name, the worst case for lint output too). Each operation then runs in its own fresh
+process: ``read_file``, ``read_lints`` on the file, and the sandbox's ``diff()``. The figure is the
+process's peak RSS growth during the operation (``/proc/self/clear_refs`` resets VmHWM, then the
+peak minus the RSS before); child processes (ruff) are reported separately from RUSAGE_CHILDREN.
+
+Snapshot creation time: median of N ``snapshot_create`` calls from a .tar.gz archive and from a
+local git repository of this repository's ``sandboxes/`` and ``webapp/`` trees.
+
+``--code-root DIR`` imports the sandboxes package from DIR (e.g. an export of the old commit:
+``git archive b10ec9e | tar -x -C /tmp/base``); ``--baseline FILE`` prints ratios against a JSON
+written by an earlier run with ``--out FILE``. Needs root (the local backend's namespaces).
+
+Run: .venv/bin/python benchmarks/bench_host_memory.py [--code-root DIR] [--out new.json] [--baseline old.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LINES = 15_000_000
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _operation(op: str, root: str) -> dict:
+    """Runs in a child: build a sandbox holding the big file, then measure one operation."""
+    from sandboxes.base import RepoSource, SandboxLimits
+    from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+    from sandboxes.tools import ToolCall, execute_tool_calls
+
+    backend = LocalBackend(LocalBackendConfig(root=Path(root), warm_pool_size=0))
+    repo = Path(root) / "repo"
+    repo.mkdir(exist_ok=True)
+    (repo / "small.py").write_text("A = 1\n")
+    snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+    limits = SandboxLimits(disk_mb=256, memory_mb=512, command_timeout_s=120, lifetime_s=900)
+    box = backend.sandbox_create(snapshot=snapshot, limits=limits)
+    try:
+        box.exec(f"python3 -c \"open('big.py', 'w').write('x\\\\n' * {LINES})\"")
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status("VmRSS")
+        started = time.perf_counter()
+        if op == "diff":
+            output = box.diff()
+        else:
+            arguments = {"path": "big.py"} if op == "read_file" else {"paths": ["big.py"]}
+            result = execute_tool_calls(sandbox=box, calls=[ToolCall(id="c", name=op, arguments=arguments)])[0]
+            output = result.output
+        elapsed = time.perf_counter() - started
+        peak = _status("VmHWM")
+        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        return {"op": op, "growth_mib": round((peak - before) / 2**20, 1), "seconds": round(elapsed, 2),
+                "children_peak_mib": round(children / 2**20, 1), "output_bytes": len(output.encode())}
+    finally:
+        box.destroy()
+        backend.close()
+
+
+def _snapshot_times(root: str, repeats: int) -> dict:
+    from sandboxes.base import RepoSource
+    from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+
+    backend = LocalBackend(LocalBackendConfig(root=Path(root), warm_pool_size=0))
+    work = Path(root) / "src"
+    for tree in ("sandboxes", "webapp"):
+        shutil.copytree(REPO / tree, work / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    archive = Path(root) / "src.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work, arcname=".")
+    git = ["git", "-c", "user.name=b", "-c", "user.email=b@example.com", "-C", str(work)]
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    figures = {}
+    for kind, location in (("archive", str(archive)), ("git", str(work))):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            snapshot = backend.snapshot_create(source=RepoSource(kind=kind, location=location))
+            times.append(time.perf_counter() - started)
+            backend.snapshot_delete(snapshot=snapshot)
+        figures[f"snapshot_{kind}_s"] = round(statistics.median(times), 3)
+    backend.close()
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--code-root", default=str(REPO))
+    parser.add_argument("--out")
+    parser.add_argument("--baseline")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, args.code_root)
+    if args.child:
+        result = _snapshot_times(args.root, args.repeats) if args.child == "snapshots" else _operation(args.child, args.root)
+        print(json.dumps(result))
+        return
+    figures: dict = {}
+    for child in ("read_file", "read_lints", "diff", "snapshots"):
+        root = tempfile.mkdtemp(prefix="bench-host-mem-", dir="/tmp")
+        os.chmod(root, 0o711)
+        try:
+            done = subprocess.run([sys.executable, __file__, "--child", child, "--root", root, "--code-root",
+                                   args.code_root, "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, timeout=1800, check=False)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if done.returncode != 0:
+            figures[child] = {"error": done.stderr.strip()[-600:]}
+        else:
+            figures[child] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(child, json.dumps(figures[child]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    if args.baseline:
+        old = json.loads(Path(args.baseline).read_text())
+        for op in ("read_file", "read_lints", "diff"):
+            if "growth_mib" in figures[op] and "growth_mib" in old.get(op, {}):
+                ratio = old[op]["growth_mib"] / max(figures[op]["growth_mib"], 0.1)
+                print(f"{op}: peak growth {figures[op]['growth_mib']} MiB (was {old[op]['growth_mib']} MiB, "
+                      f"{ratio:.1f}x less); {figures[op]['seconds']} s (was {old[op]['seconds']} s)")
+        for key, value in figures["snapshots"].items():
+            if key in old.get("snapshots", {}):
+                print(f"{key}: {value} s (was {old['snapshots'][key]} s, ratio {value / old['snapshots'][key]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
