@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import posixpath
 import stat
@@ -35,6 +36,7 @@ from typing import IO, BinaryIO
 from sandboxes.base import ArchiveRejected, PathOutsideWorkspace
 from sandboxes.safe_fs import open_beneath
 
+logger = logging.getLogger(__name__)
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 _REJECTED_EXIT = 3
 CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
@@ -311,12 +313,36 @@ def extract_archive(archive: Path, destination: Path, *, limits: ArchiveLimits |
         os.close(dest_fd)
 
 
+def _reachable_by_anyone(path: str) -> bool:
+    """Whether a user with no privileges can reach (o+x on every directory) and read/execute ``path``."""
+    real = os.path.realpath(path)
+    parts = Path(real).parents
+    if any(not os.stat(parent).st_mode & stat.S_IXOTH for parent in parts):
+        return False
+    return bool(os.stat(real).st_mode & (stat.S_IROTH | stat.S_IXOTH))
+
+
+def child_python() -> str | None:
+    """An interpreter an unprivileged uid can run with this package importable, or None."""
+    if not _reachable_by_anyone(_REPO_ROOT):
+        return None
+    for candidate in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(candidate) and _reachable_by_anyone(candidate):
+            return candidate
+    return None
+
+
 def _extract_in_child(stream: BinaryIO, dest_fd: int, limits: ArchiveLimits, run_as: tuple[int, int],
                       label: str) -> None:
+    python = child_python()
+    if python is None:
+        logger.warning("no interpreter reachable by uid %s; extracting %s in the worker process", run_as[0], label)
+        _extract_stream(stream, dest_fd, limits, label)
+        return
     code = (f"import sys; sys.path.insert(0, {_REPO_ROOT!r}); "
             "from sandboxes.archives import _child_main; raise SystemExit(_child_main())")
     argv = [*unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS),
-            sys.executable, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd)]
+            python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd)]
     result = subprocess.run(argv, stdin=stream, capture_output=True, pass_fds=(dest_fd,), timeout=CHILD_CPU_SECONDS * 2,
                             check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
     if result.returncode == _REJECTED_EXIT:

@@ -1,7 +1,7 @@
 """Cloning untrusted git repositories on the host: validated values, checked addresses, no root.
 
-- A ref is validated (no leading ``-``, ``git check-ref-format``) and goes after ``--end-of-options``;
-  a URL goes after ``--``. No user value is ever read as an option.
+- A ref is validated (no leading ``-``, ``git check-ref-format``) and is followed by ``--``; a URL
+  goes after ``--``. No user value is ever read as an option.
 - A URL's scheme must be http, https or git (no ``ext::``, ``file://``, ssh or scp-style); its host
   is resolved here and every address must be public (not loopback, private, link-local, metadata,
   multicast or reserved) unless the host is allow-listed (``FLOWSTATE_GIT_ALLOWED_HOSTS``). Git then
@@ -176,7 +176,8 @@ def git_materialize(*, location: str, ref: str | None, tree: Path, run_as: tuple
         raise SnapshotError(f"git clone of {location} failed (exit {result.returncode}); check the URL and that "
                             "the repository is public")
     if ref:
-        argv = ["git", "-c", "core.hooksPath=/dev/null", "checkout", "--quiet", "--end-of-options", ref, "--"]
+        # check_ref refused a leading '-'; the trailing '--' stops git reading the ref as a path.
+        argv = ["git", "-c", "core.hooksPath=/dev/null", "checkout", "--quiet", ref, "--"]
         result = _run(argv, run_as=run_as, cwd=tree, timeout=300)
         if result.returncode != 0:
             logger.warning("git checkout %s failed: %s", ref, result.stderr[-2000:])

@@ -774,7 +774,7 @@ class LocalBackend(SandboxBackend):
         record = {
             "id": sandbox.id, "holder_pid": holder.pid, "holder_start": holder.start_time,
             "owner_pid": os.getpid(), "owner_start": _process_start_time(os.getpid()),
-            "deadline": sandbox.deadline,
+            "deadline": sandbox.deadline, "snapshot": sandbox.snapshot.id,
             "cgroups": [str(p) for p in holder.cgroup.paths.values()] if holder.cgroup else [],
         }
         path = self._registry_path(sandbox.id)
@@ -794,6 +794,20 @@ class LocalBackend(SandboxBackend):
             sandbox_dir.rmdir()
         except OSError:
             shutil.rmtree(sandbox_dir, ignore_errors=True)
+
+    def snapshots_in_use(self) -> set[str]:
+        in_use = set()
+        for path in (self.root / "registry").glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if _pid_alive(record["holder_pid"], record.get("holder_start")):
+                # A record without its snapshot id (written before it was recorded) pins every snapshot.
+                in_use.add(record.get("snapshot", "*"))
+        if "*" in in_use:
+            in_use |= {p.name for p in (self.root / "snapshots").glob("snap-*")}
+        return in_use
 
     def reap_orphans(self) -> int:
         reaped = 0

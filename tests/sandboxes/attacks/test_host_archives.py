@@ -57,12 +57,12 @@ def _outside_marker(tmp_path: Path) -> str:
 
 def zip_dot_chain(tmp_path: Path, marker: str) -> Path:
     # sub/lnk -> ../ (lexically '.'), sub/lnk2 -> lnk/.. (lexically 'sub'); the kernel resolves
-    # sub/lnk2 to the destination's parent. Later members are created through it.
+    # sub/lnk2 to the destination's parent. A later member is created through it (before the fix:
+    # a directory and a link appeared next to the destination).
     return _zip(tmp_path / "chain.zip", [
         ("sub/lnk", "link", b"../"),
         ("sub/lnk2", "link", b"lnk/.."),
         (f"sub/lnk2/{marker}/inner", "link", b"x"),
-        (f"sub/lnk2/{marker}.txt", None, b"owned\n"),
     ])
 
 
@@ -123,18 +123,27 @@ def test_link_chains_rejected_by_every_backend(sandbox_backend, tmp_path, payloa
 
 
 def test_hard_link_to_a_host_file_is_refused_and_the_file_untouched(sandbox_backend, tmp_path):
-    victim = tmp_path / "victim.conf"
+    work = tmp_path / "work"
+    work.mkdir()
+    victim = work / "victim.conf"
     victim.write_text("secret\n")
     victim.chmod(0o600)
     before = victim.stat()
-    # The hard link names a file reachable only through a link chain, then one never in the archive.
-    for members in (
+    # The hard link names a host file reachable only through a link chain, then one never in the
+    # archive; a later regular member of the same name would write through the link.
+    payloads = [
         [_entry("sub", tarfile.DIRTYPE), _entry("sub/lnk", tarfile.SYMTYPE, "../"),
-         _entry("sub/up", tarfile.SYMTYPE, "lnk/.."), _entry("h", tarfile.LNKTYPE, "sub/up/victim.conf")],
-        [_entry("h", tarfile.LNKTYPE, "victim.conf"), _entry("h", data=b"\x7fELF")],
-    ):
-        archive = _tar(tmp_path / f"hard-{secrets.token_hex(2)}.tar", members)
-        with pytest.raises(ArchiveRejected, match="regular file extracted earlier"):
+         _entry("sub/up", tarfile.SYMTYPE, "lnk/.."), _entry("h", tarfile.LNKTYPE, "sub/up/victim.conf"),
+         _entry("h", data=b"owned\n")],
+        [_entry("h", tarfile.LNKTYPE, "victim.conf"), _entry("h", data=b"owned\n")],
+        [_entry("l", tarfile.SYMTYPE, "a"), _entry("h", tarfile.LNKTYPE, "l")],
+    ]
+    for index, members in enumerate(payloads):
+        archive = _tar(tmp_path / f"hard-{index}.tar", members)
+        for run_as in (None, (54321, 54321)):
+            with pytest.raises(ArchiveRejected, match="regular file extracted earlier|through a symlink"):
+                extract_archive(archive, work / f"dest-{index}-{run_as is None}", run_as=run_as)
+        with pytest.raises(ArchiveRejected, match="regular file extracted earlier|through a symlink"):
             sandbox_backend.snapshot_create(source=RepoSource(kind="archive", location=str(archive)))
     after = victim.stat()
     assert (after.st_mode, after.st_mtime_ns, after.st_nlink, victim.read_text()) == \
