@@ -60,17 +60,21 @@ def _operation(op: str, root: str) -> dict:
         Path("/proc/self/clear_refs").write_text("5")
         before = _status("VmRSS")
         started = time.perf_counter()
-        if op == "diff":
-            output = box.diff()
-        else:
-            arguments = {"path": "big.py"} if op == "read_file" else {"paths": ["big.py"]}
-            result = execute_tool_calls(sandbox=box, calls=[ToolCall(id="c", name=op, arguments=arguments)])[0]
-            output = result.output
+        error = ""
+        try:
+            if op == "diff":
+                output = box.diff()
+            else:
+                arguments = {"path": "big.py"} if op == "read_file" else {"paths": ["big.py"]}
+                result = execute_tool_calls(sandbox=box, calls=[ToolCall(id="c", name=op, arguments=arguments)])[0]
+                output = result.output
+        except Exception as exc:  # noqa: BLE001 - the old code crashes on this input; its peak still counts
+            output, error = "", f"{type(exc).__name__}: {str(exc)[:200]}"
         elapsed = time.perf_counter() - started
         peak = _status("VmHWM")
         children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         return {"op": op, "growth_mib": round((peak - before) / 2**20, 1), "seconds": round(elapsed, 2),
-                "children_peak_mib": round(children / 2**20, 1), "output_bytes": len(output.encode())}
+                "children_peak_mib": round(children / 2**20, 1), "output_bytes": len(output.encode()), **({"error": error} if error else {})}
     finally:
         box.destroy()
         backend.close()
@@ -110,16 +114,19 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--baseline")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ops", default="read_file,read_lints,diff,snapshots", help="comma-separated subset")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, args.code_root)
     if args.child:
         result = _snapshot_times(args.root, args.repeats) if args.child == "snapshots" else _operation(args.child, args.root)
-        print(json.dumps(result))
+        import sandboxes
+
+        print(json.dumps({**result, "code": str(Path(sandboxes.__file__).parent)}))
         return
     figures: dict = {}
-    for child in ("read_file", "read_lints", "diff", "snapshots"):
+    for child in args.ops.split(","):
         root = tempfile.mkdtemp(prefix="bench-host-mem-", dir="/tmp")
         os.chmod(root, 0o711)
         try:
@@ -138,11 +145,11 @@ def main() -> None:
     if args.baseline:
         old = json.loads(Path(args.baseline).read_text())
         for op in ("read_file", "read_lints", "diff"):
-            if "growth_mib" in figures[op] and "growth_mib" in old.get(op, {}):
+            if "growth_mib" in figures.get(op, {}) and "growth_mib" in old.get(op, {}):
                 ratio = old[op]["growth_mib"] / max(figures[op]["growth_mib"], 0.1)
                 print(f"{op}: peak growth {figures[op]['growth_mib']} MiB (was {old[op]['growth_mib']} MiB, "
                       f"{ratio:.1f}x less); {figures[op]['seconds']} s (was {old[op]['seconds']} s)")
-        for key, value in figures["snapshots"].items():
+        for key, value in figures.get("snapshots", {}).items():
             if key in old.get("snapshots", {}):
                 print(f"{key}: {value} s (was {old['snapshots'][key]} s, ratio {value / old['snapshots'][key]:.2f})")
 

@@ -37,7 +37,6 @@ import psutil
 
 from sandboxes import safe_fs
 from sandboxes.archives import ArchiveLimits
-from sandboxes.materialize import materialize_source
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
@@ -53,6 +52,7 @@ from sandboxes.base import (
     SnapshotError,
 )
 from sandboxes.diffing import workspace_diff
+from sandboxes.materialize import materialize_source
 
 AGENT_UID = 1000
 # The container's init and lifetime timer run as "nobody", so an agent's `kill -9 -1` (which reaches

@@ -35,7 +35,6 @@ from pathlib import Path
 
 from sandboxes import safe_fs
 from sandboxes.archives import ArchiveLimits
-from sandboxes.materialize import materialize_source
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
@@ -52,6 +51,7 @@ from sandboxes.base import (
 )
 from sandboxes.cgroups import SandboxCgroup
 from sandboxes.diffing import workspace_diff
+from sandboxes.materialize import materialize_source
 
 HOLDER_SCRIPT = Path(__file__).with_name("_holder.py")
 AGENT_UID_INSIDE = 1000

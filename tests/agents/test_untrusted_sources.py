@@ -40,7 +40,7 @@ def test_allow_listed_internal_git_host_is_accepted(owner, settings):
     assert task.repo_location == "http://127.0.0.1:9/x.git" and task.repo_ref == "main"
 
 
-@pytest.mark.parametrize("ref", ["--pathspec-from-file=/etc/passwd", "-f", "main\n", "a..b", "x y"])
+@pytest.mark.parametrize("ref", ["--pathspec-from-file=/etc/passwd", "-f", "main\n--detach", "a..b", "x y"])
 def test_refs_that_read_as_options_or_are_malformed_are_refused(owner, ref):
     with pytest.raises(ValidationError) as error:
         _create(owner, git_url="https://example.com/x.git", git_ref=ref)

@@ -36,3 +36,25 @@ def test_host_memory_is_bounded_on_a_file_of_short_lines(op):
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["growth_mib"] < LIMIT_MIB, figures
     assert figures["output_bytes"] < 40 * 1024 * 1024, figures
+
+
+def test_read_file_caps_bytes_and_keeps_numbering(sandbox):
+    from sandboxes.tool_impl.handlers import READ_FILE_MAX_BYTES
+    from sandboxes.tools import ToolCall, execute_tool_calls
+
+    def read(**arguments):
+        return execute_tool_calls(sandbox=sandbox, calls=[ToolCall(id="c", name="read_file", arguments=arguments)])[0]
+
+    sandbox.exec("python3 -c \"open('wide.txt','w').write(('y' * 1000 + '\\n') * 1500)\"; "
+                 "python3 -c \"open('one.txt','w').write('z' * 2000000)\"; printf 'a\\nb\\nc' > tail.txt")
+    wide = read(path="wide.txt")
+    assert wide.ok and len(wide.output.encode()) < READ_FILE_MAX_BYTES + 4096
+    last = wide.meta["end_line"]
+    assert 400 < last < 1500
+    assert f"call read_file with start_line={last + 1} to continue" in wide.output
+    nxt = read(path="wide.txt", start_line=last + 1)
+    assert nxt.output.splitlines()[1].lstrip().startswith(f"{last + 1}\t")
+    one = read(path="one.txt")
+    assert one.ok and "[line cut at" in one.output and len(one.output.encode()) < READ_FILE_MAX_BYTES
+    tail = read(path="tail.txt", start_line=2)
+    assert tail.output == "tail.txt (lines 2-3 of 3)\n     2\tb\n     3\tc\n"

@@ -37,7 +37,7 @@ def _sweep_once(*, include_queued: bool) -> None:
 def _gc_once() -> None:
     from django.db import connection
 
-    from webapp.agents.services import sandboxes_gc
+    from webapp.agents.retention import sandboxes_gc
 
     try:
         counts = sandboxes_gc()

@@ -12,7 +12,13 @@ from pathlib import Path
 from django.db.models import QuerySet
 
 from webapp.core.selectors import owned_get_for_change, owned_get_visible, owned_visible_to
-from webapp.experiments.models import BenchmarkRun, Experiment, ExperimentCheckpoint, ExperimentRollout, ExperimentStep
+from webapp.experiments.models import (
+    BenchmarkRun,
+    Experiment,
+    ExperimentCheckpoint,
+    ExperimentRollout,
+    ExperimentStep,
+)
 
 # Fields of AsyncRLConfig the launch form does not offer: derived from the experiment or the server.
 SERVER_CONTROLLED_FIELDS = ("run_dir", "ray_address", "sandbox_backend")

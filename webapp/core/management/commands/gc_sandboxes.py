@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from webapp.agents.services import sandboxes_gc
+from webapp.agents.retention import sandboxes_gc
 
 
 class Command(BaseCommand):
