@@ -13,7 +13,12 @@ local git repository of this repository's ``sandboxes/`` and ``webapp/`` trees.
 ``git archive b10ec9e | tar -x -C /tmp/base``); ``--baseline FILE`` prints ratios against a JSON
 written by an earlier run with ``--out FILE``. Needs root (the local backend's namespaces).
 
+``--compare-extract OLD_ROOT`` times archive extraction alone, old and new interleaved in one process
+(old in-process; new in-process and in its unprivileged forked child), which the shared machine's
+load affects equally.
+
 Run: .venv/bin/python benchmarks/bench_host_memory.py [--code-root DIR] [--out new.json] [--baseline old.json]
+     .venv/bin/python benchmarks/bench_host_memory.py --compare-extract /tmp/base
 """
 
 from __future__ import annotations
@@ -108,6 +113,43 @@ def _snapshot_times(root: str, repeats: int) -> dict:
     return figures
 
 
+def _compare_extract(old_root: str, repeats: int) -> dict:
+    """Archive extraction alone, old and new interleaved in one process (the machine's load is shared)."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO))
+    from sandboxes.archives import extract_archive as new
+
+    spec = importlib.util.spec_from_file_location("old_archives", Path(old_root) / "sandboxes" / "archives.py")
+    old_module = importlib.util.module_from_spec(spec)
+    sys.modules["old_archives"] = old_module
+    spec.loader.exec_module(old_module)
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    source = work / "src"
+    for tree in ("sandboxes", "webapp"):
+        shutil.copytree(REPO / tree, source / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    archive = work / "src.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source, arcname=".")
+    runs: dict[str, list[float]] = {"old": [], "new_in_process": [], "new_unprivileged_child": []}
+    for _ in range(repeats):
+        for key, times in runs.items():
+            destination = work / key
+            shutil.rmtree(destination, ignore_errors=True)
+            destination.mkdir()
+            started = time.perf_counter()
+            if key == "old":
+                old_module.extract_archive(archive, destination)
+            else:
+                new(archive, destination, run_as=(101000, 101000) if key.endswith("child") else None)
+            times.append(time.perf_counter() - started)
+    shutil.rmtree(work, ignore_errors=True)
+    base = statistics.median(runs["old"])
+    return {key: {"median_s": round(statistics.median(times), 4), "ratio": round(statistics.median(times) / base, 3)}
+            for key, times in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--code-root", default=str(REPO))
@@ -115,9 +157,14 @@ def main() -> None:
     parser.add_argument("--baseline")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ops", default="read_file,read_lints,diff,snapshots", help="comma-separated subset")
+    parser.add_argument("--compare-extract", metavar="OLD_ROOT",
+                        help="only time archive extraction against the code under OLD_ROOT, interleaved")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compare_extract:
+        print(json.dumps(_compare_extract(args.compare_extract, args.repeats * 2)))
+        return
     sys.path.insert(0, args.code_root)
     if args.child:
         result = _snapshot_times(args.root, args.repeats) if args.child == "snapshots" else _operation(args.child, args.root)
