@@ -10,39 +10,34 @@ too many members and too many bytes (declared or actual) raise ``ArchiveRejected
 member; a corrupt or truncated archive raises ``ArchiveRejected`` too, never a library exception.
 
 When the caller runs as root and names an unprivileged ``run_as`` owner, extraction happens in a
-forked child that drops to that uid (all capabilities go with uid 0; no new privileges; bounded
-address space, CPU and wall time) and works on the archive and destination fds it inherited, so a
-bug in the extractor cannot write as root.
+child process under that uid (no capabilities, no new privileges, bounded address space and CPU
+time) that receives the archive and the destination as open file descriptors, so a bug in the
+extractor cannot write as root.
 """
 
 from __future__ import annotations
 
-# bz2, gzip and lzma are imported before any fork: tarfile imports them lazily, and the unprivileged
-# extraction child may be unable to read the interpreter's library (e.g. a Python under /root).
-import bz2  # noqa: F401
-import ctypes
 import errno
-import gzip  # noqa: F401
-import lzma  # noqa: F401
+import json
+import logging
 import os
 import posixpath
-import resource
-import select
-import signal
 import stat
+import subprocess
+import sys
 import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
 from sandboxes.base import ArchiveRejected, PathOutsideWorkspace
 from sandboxes.safe_fs import open_beneath
 
-_libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_NO_NEW_PRIVS = 38
+logger = logging.getLogger(__name__)
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 _REJECTED_EXIT = 3
 CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
 """Address-space limit of the unprivileged extraction child."""
@@ -318,65 +313,44 @@ def extract_archive(archive: Path, destination: Path, *, limits: ArchiveLimits |
         os.close(dest_fd)
 
 
-def _drop_privileges(run_as: tuple[int, int]) -> None:
-    """In a forked child: become ``run_as`` (all capabilities go with uid 0), no new privileges, rlimits."""
-    uid, gid = run_as
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-    mapped = 0
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            mapped = int(line.split()[1]) * 1024
-    # The fork inherits the worker's mappings; the bound is on what extraction adds.
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + CHILD_MEMORY_BYTES,) * 2)
-    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _reachable_by_anyone(path: str) -> bool:
+    """Whether a user with no privileges can reach (o+x on every directory) and read/execute ``path``."""
+    real = os.path.realpath(path)
+    parts = Path(real).parents
+    if any(not os.stat(parent).st_mode & stat.S_IXOTH for parent in parts):
+        return False
+    return bool(os.stat(real).st_mode & (stat.S_IROTH | stat.S_IXOTH))
+
+
+def child_python() -> str | None:
+    """An interpreter an unprivileged uid can run with this package importable, or None."""
+    if not _reachable_by_anyone(_REPO_ROOT):
+        return None
+    for candidate in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(candidate) and _reachable_by_anyone(candidate):
+            return candidate
+    return None
 
 
 def _extract_in_child(stream: BinaryIO, dest_fd: int, limits: ArchiveLimits, run_as: tuple[int, int],
                       label: str) -> None:
-    """Fork (no exec: the extractor is already loaded), drop to ``run_as`` and extract there."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child, reported through the exit status and the pipe
-        code = 1
-        try:
-            os.close(read_end)
-            _drop_privileges(run_as)
-            _extract_stream(stream, dest_fd, limits, label)
-            code = 0
-        except ArchiveRejected as exc:
-            os.write(write_end, str(exc).encode("utf-8", "replace")[:4000])
-            code = _REJECTED_EXIT
-        except BaseException as exc:  # noqa: BLE001 - anything else is reported as a failed extraction
-            os.write(write_end, f"{type(exc).__name__}".encode()[:200])
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        status = _wait(pid, CHILD_CPU_SECONDS * 2)
-        message = os.read(read_end, 8192).decode("utf-8", "replace")
-    finally:
-        os.close(read_end)
-    if status == _REJECTED_EXIT:
-        raise ArchiveRejected(message)
-    if status != 0:
-        raise ArchiveRejected(f"{label} could not be extracted (the extractor failed: {message or status})")
-
-
-def _wait(pid: int, timeout_s: float) -> int:
-    """Exit code of child ``pid``, killing it after ``timeout_s`` seconds."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        if not select.select([pidfd], [], [], timeout_s)[0]:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    # A fresh interpreter, not a fork of the worker: a fork would run the worker's at-fork handlers
+    # and could block on locks other threads held (seen: LocalBackend's handler closing a pipe).
+    python = child_python()
+    if python is None:
+        logger.warning("no interpreter reachable by uid %s; extracting %s in the worker process", run_as[0], label)
+        _extract_stream(stream, dest_fd, limits, label)
+        return
+    code = (f"import sys; sys.path.insert(0, {_REPO_ROOT!r}); "
+            "from sandboxes.archives import _child_main; raise SystemExit(_child_main())")
+    argv = [*unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS),
+            python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd)]
+    result = subprocess.run(argv, stdin=stream, capture_output=True, pass_fds=(dest_fd,), timeout=CHILD_CPU_SECONDS * 2,
+                            check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
+    if result.returncode == _REJECTED_EXIT:
+        raise ArchiveRejected(result.stdout.decode("utf-8", "replace").strip()[:2000])
+    if result.returncode != 0:
+        raise ArchiveRejected(f"{label} could not be extracted (the extractor exited with {result.returncode})")
 
 
 def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_seconds: int) -> list[str]:
@@ -385,3 +359,15 @@ def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_secon
     return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
             "--inh-caps=-all", "--bounding-set=-all",
             "prlimit", f"--as={memory_bytes}", f"--cpu={cpu_seconds}", "--core=0", "--"]
+
+
+def _child_main() -> int:
+    limits = ArchiveLimits(**json.loads(sys.argv[1]))
+    label, dest_fd = sys.argv[2], int(sys.argv[3])
+    try:
+        with os.fdopen(0, "rb", closefd=False) as stream:
+            _extract_stream(stream, dest_fd, limits, label)
+    except ArchiveRejected as exc:
+        sys.stdout.write(str(exc))
+        return _REJECTED_EXIT
+    return 0
