@@ -14,7 +14,7 @@ from typing import Any
 
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.safe_fs import normalize_relative
-from sandboxes.tool_impl.lines import count_lines, line_slice
+from sandboxes.tool_impl.lines import count_lines, line_offset, line_slice
 from sandboxes.tool_impl.lints import LintUnavailable, introduced_diagnostics
 from sandboxes.tool_impl.text import diff_sections, head_tail, number_lines, original_from_diff
 
@@ -148,7 +148,7 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     updated = text[:at] + new + text[at + len(old) :]
     sandbox.write_bytes(path, updated.encode("utf-8"))
     first = _line_of(updated, at)
-    snippet = _edited_snippet(updated.splitlines(keepends=True), first, first + new.count("\n"))
+    snippet = _snippet_of(updated.encode("utf-8"), first, first + new.count("\n"))
     return Outcome(f"Edited {path}: replaced 1 occurrence at line {_line_of(text, at)}.\n{snippet}",
                    meta={"path": path, "line": first})
 
@@ -190,6 +190,15 @@ def _edited_snippet(lines: list[str], first: int, last: int, context: int = 3) -
     return snippet if not snippet or snippet.endswith("\n") else snippet + "\n"
 
 
+def _snippet_of(data: bytes, first: int, last: int, context: int = 3) -> str:
+    """``_edited_snippet`` on raw bytes without splitting the whole file into line objects."""
+    lo, hi = max(first - context, 1), min(last + context, count_lines(data))
+    lines = [line + "\n" for line in line_slice(data, lo, hi).decode("utf-8", "replace").split("\n")]
+    if lines and lines[-1] == "\n":
+        lines.pop()
+    return number_lines(lines, lo) if lines else ""
+
+
 def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     # An edit addressed by line number: the model names lines it read (read_file numbers them) and writes
     # only their new text, so it never has to reproduce the old text exactly as edit_file requires.
@@ -197,23 +206,28 @@ def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     start, end, new = args["start_line"], args["end_line"], args["new_text"]
     if end < start:
         raise ToolFailure(f"end_line {end} is before start_line {start}")
-    text = _decode_text(sandbox.read_bytes(path), path)
-    lines = text.splitlines(keepends=True)
-    if end > len(lines):
+    # Bytes and line offsets (numbered as read_file numbers them, at '\n'), never a list of every line;
+    # bytes outside the replaced lines are written back untouched.
+    data = sandbox.read_bytes(path)
+    _decode_text(data[:8192], path)
+    total = count_lines(data)
+    if end > total:
         raise ToolFailure(
-            f"{path} has {len(lines)} lines, so lines {start}-{end} do not exist; read the file again for the numbers"
+            f"{path} has {total} lines, so lines {start}-{end} do not exist; read the file again for the numbers"
         )
     if new and not new.endswith("\n"):
         new += "\n"
-    old = "".join(lines[start - 1 : end])
-    if old == new:
+    lo = line_offset(data, start)
+    hi = line_offset(data, end - start + 2, start=lo)
+    if data[lo:hi].decode("utf-8", "replace") == new:
         raise ToolFailure(f"new_text equals lines {start}-{end} of {path}; nothing would change")
-    updated = "".join(lines[: start - 1]) + new + "".join(lines[end:])
-    sandbox.write_bytes(path, updated.encode("utf-8"))
+    updated = data[:lo] + new.encode("utf-8") + data[hi:]
+    del data
+    sandbox.write_bytes(path, updated)
     written = new.count("\n")
     plural = "" if end == start else "s"
     summary = f"Edited {path}: replaced line{plural} {start}-{end} with {written} line{'' if written == 1 else 's'}.\n"
-    snippet = _edited_snippet(updated.splitlines(keepends=True), start, max(start, start + written - 1))
+    snippet = _snippet_of(updated, start, max(start, start + written - 1))
     return Outcome(summary + snippet, meta={"path": path, "line": start, "lines_removed": end - start + 1,
                                             "lines_written": written})
 
