@@ -81,3 +81,15 @@ def test_gc_sandboxes_deletes_old_unreferenced_uploads_and_keeps_used_ones(owner
     call_command("gc_sandboxes", "--max-age-s", str(3 * 24 * 3600))
     assert not stale.exists()
     assert used.exists() and fresh.exists()
+
+
+def test_a_finished_task_leaves_no_snapshot_behind(owner, demo_repository, settings):
+    from sandboxes import get_backend
+
+    snapshots = get_backend(settings.SANDBOX_BACKEND).root / "snapshots"
+    before = set(snapshots.iterdir()) if snapshots.is_dir() else set()
+    task = _create(owner, repository=demo_repository)
+    services.task_run(task_id=task.pk)
+    task.refresh_from_db()
+    assert task.status == "succeeded", task.status_reason
+    assert set(snapshots.iterdir()) - before == set()
