@@ -171,13 +171,16 @@ def build_root(cfg):
         bind(cfg["workspace_bind"], f"{newroot}/workspace", readonly=False)
     else:
         os.chown(f"{disk}/upper", agent_uid, agent_gid)
-        lower = cfg["lower"]
+        # Relative layer paths (resolved from the sandbox directory): the overlay's options appear in
+        # the sandbox's /proc/self/mountinfo, and must not tell it where the host keeps snapshots.
+        os.chdir(base)
+        lower = os.path.relpath(cfg["lower"], base)
         mount(
             "overlay",
             f"{newroot}/workspace",
             "overlay",
             MS_NOSUID | MS_NODEV,
-            f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work",
+            f"lowerdir={lower},upperdir=disk/upper,workdir=disk/work",
         )
     bind(f"{disk}/tmp", f"{newroot}/tmp", readonly=False)
 

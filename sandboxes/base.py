@@ -226,3 +226,16 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     def reap_orphans(self) -> int:
         """Destroy sandboxes whose owning process died or whose lifetime expired; return how many."""
+
+    def snapshots_in_use(self) -> set[str]:
+        """Ids of snapshots that a live sandbox of this state root was created from."""
+        raise NotImplementedError
+
+    def gc(self, *, max_age_s: float) -> dict[str, int]:
+        """Reap dead/expired sandboxes, then delete snapshots older than ``max_age_s`` that none uses."""
+        from sandboxes.retention import snapshots_gc
+
+        reaped = self.reap_orphans()
+        removed = snapshots_gc(snapshots_dir=self.root / "snapshots", max_age_s=max_age_s,
+                               in_use=self.snapshots_in_use())
+        return {"sandboxes": reaped, "snapshots": len(removed)}

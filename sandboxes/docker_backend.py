@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 
 from sandboxes import safe_fs
-from sandboxes.archives import ArchiveLimits, extract_archive
+from sandboxes.archives import ArchiveLimits
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
@@ -52,6 +52,7 @@ from sandboxes.base import (
     SnapshotError,
 )
 from sandboxes.diffing import workspace_diff
+from sandboxes.materialize import materialize_source
 
 AGENT_UID = 1000
 # The container's init and lifetime timer run as "nobody", so an agent's `kill -9 -1` (which reaches
@@ -141,9 +142,9 @@ def _umount(path: Path) -> None:
         _libc.umount2(str(path).encode(), MNT_DETACH)
 
 
-def _mount(source: str, target: Path, fstype: str, options: str) -> None:
+def _mount(source: str, target: Path, fstype: str, options: str, cwd: Path | None = None) -> None:
     result = subprocess.run(["mount", "-t", fstype, "-o", options, source, str(target)],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False, cwd=cwd)
     if result.returncode != 0:
         raise BackendUnavailable(f"mounting {fstype} on {target} failed: {result.stderr.strip()}")
 
@@ -335,30 +336,8 @@ class DockerBackend(SandboxBackend):
             raise SnapshotError(f"image {image} is not present on this Docker engine (no registry is reachable)") from None
 
     def _materialize(self, source: RepoSource, tree: Path) -> None:
-        if source.kind == "path":
-            origin = Path(source.location)
-            if not origin.is_dir():
-                raise SnapshotError(f"snapshot source path {origin} is not a directory")
-            tree.mkdir()
-            result = subprocess.run(["cp", "-a", "--", f"{origin}/.", str(tree)], capture_output=True, text=True,
-                                    check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"copying {origin} failed: {result.stderr.strip()}")
-        elif source.kind == "git":
-            env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "GIT_TERMINAL_PROMPT": "0", "HOME": str(self.root)}
-            argv = ["git", "clone", "--quiet", "--no-hardlinks"] + (["--no-checkout"] if source.ref else [])
-            result = subprocess.run([*argv, "--", source.location, str(tree)], capture_output=True, text=True,
-                                    env=env, timeout=600, check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"git clone {source.location} failed: {result.stderr.strip()[-2000:]}")
-            if source.ref:
-                result = subprocess.run(["git", "-C", str(tree), "checkout", "--quiet", source.ref, "--"],
-                                        capture_output=True, text=True, env=env, timeout=300, check=False)
-                if result.returncode != 0:
-                    raise SnapshotError(f"git checkout {source.ref} failed: {result.stderr.strip()[-2000:]}")
-        else:
-            tree.mkdir()
-            extract_archive(Path(source.location), tree, limits=self.config.archive_limits)
+        materialize_source(source=source, tree=tree, run_as=(AGENT_UID, AGENT_UID),
+                           archive_limits=self.config.archive_limits)
 
     @staticmethod
     def _chown_tree(tree: Path) -> None:
@@ -440,12 +419,14 @@ class DockerBackend(SandboxBackend):
             for name in ("upper", "work"):
                 (disk / name).mkdir()
             os.chown(disk / "upper", AGENT_UID, AGENT_UID)
-            _mount("overlay", workspace, "overlay",
-                   f"lowerdir={snapshot.location},upperdir={disk}/upper,workdir={disk}/work,nosuid,nodev")
+            # Layer paths relative to the sandbox directory: the options show in the container's mountinfo.
+            lower = os.path.relpath(snapshot.location, sandbox_dir)
+            _mount("overlay", workspace, "overlay", f"lowerdir={lower},upperdir=disk/upper,workdir=disk/work,nosuid,nodev",
+                   cwd=sandbox_dir)
             workspace_fd = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             container_id = self._container_start(
                 sandbox_id=sandbox_id, image=snapshot.image or self.image, limits=limits, workspace=workspace,
-                deadline=time.time() + limits.lifetime_s + extra_lifetime_s,
+                deadline=time.time() + limits.lifetime_s + extra_lifetime_s, snapshot_id=snapshot.id,
             )
             return container_id, workspace_fd
         except BaseException:
@@ -455,7 +436,7 @@ class DockerBackend(SandboxBackend):
             raise
 
     def _container_start(self, *, sandbox_id: str, image: str, limits: SandboxLimits, workspace: Path,
-                         deadline: float) -> str:
+                         deadline: float, snapshot_id: str = "") -> str:
         from docker.errors import APIError
         from docker.types import Mount, Ulimit
 
@@ -467,6 +448,7 @@ class DockerBackend(SandboxBackend):
             "flowstate.owner-pid": str(self._owner_pid),
             "flowstate.owner-start": repr(self._owner_start),
             "flowstate.deadline": repr(deadline),
+            "flowstate.snapshot-id": snapshot_id,
         }
         tmp_mb = min(self.config.tmp_mb, limits.disk_mb)
         try:
@@ -748,6 +730,10 @@ class DockerBackend(SandboxBackend):
                 sandbox.destroy()
 
     # Reaping ------------------------------------------------------------------------------------
+
+    def snapshots_in_use(self) -> set[str]:
+        containers = self._client.api.containers(filters={"label": [LABEL, f"flowstate.root={self.root}"]})
+        return {(c.get("Labels") or {}).get("flowstate.snapshot-id", "") for c in containers} - {""}
 
     def reap_orphans(self) -> int:
         """Remove containers of this state root whose owner process died, that expired, or that exited."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxes import safe_fs
-from sandboxes.archives import ArchiveLimits, extract_archive
+from sandboxes.archives import ArchiveLimits
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
@@ -51,6 +51,7 @@ from sandboxes.base import (
 )
 from sandboxes.cgroups import SandboxCgroup
 from sandboxes.diffing import workspace_diff
+from sandboxes.materialize import materialize_source
 
 HOLDER_SCRIPT = Path(__file__).with_name("_holder.py")
 AGENT_UID_INSIDE = 1000
@@ -395,31 +396,8 @@ class LocalBackend(SandboxBackend):
         shutil.rmtree(self.root / "snapshots" / snapshot.id, ignore_errors=True)
 
     def _materialize(self, source: RepoSource, tree: Path) -> None:
-        if source.kind == "path":
-            origin = Path(source.location)
-            if not origin.is_dir():
-                raise SnapshotError(f"snapshot source path {origin} is not a directory")
-            tree.mkdir()
-            result = subprocess.run(["cp", "-a", "--", f"{origin}/.", str(tree)], capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"copying {origin} failed: {result.stderr.strip()}")
-        elif source.kind == "git":
-            env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "GIT_TERMINAL_PROMPT": "0", "HOME": str(self.root)}
-            argv = ["git", "clone", "--quiet", "--no-hardlinks"]
-            if source.ref:
-                argv += ["--no-checkout"]
-            result = subprocess.run([*argv, "--", source.location, str(tree)], capture_output=True, text=True,
-                                    env=env, timeout=600, check=False)
-            if result.returncode != 0:
-                raise SnapshotError(f"git clone {source.location} failed: {result.stderr.strip()[-2000:]}")
-            if source.ref:
-                result = subprocess.run(["git", "-C", str(tree), "checkout", "--quiet", source.ref, "--"],
-                                        capture_output=True, text=True, env=env, timeout=300, check=False)
-                if result.returncode != 0:
-                    raise SnapshotError(f"git checkout {source.ref} failed: {result.stderr.strip()[-2000:]}")
-        else:
-            tree.mkdir()
-            extract_archive(Path(source.location), tree, limits=self.config.archive_limits)
+        materialize_source(source=source, tree=tree, run_as=self._agent_owner if not self.rootless else None,
+                           archive_limits=self.config.archive_limits)
 
     def _chown_tree(self, tree: Path) -> None:
         uid, gid = self._agent_owner
@@ -806,7 +784,7 @@ class LocalBackend(SandboxBackend):
         record = {
             "id": sandbox.id, "holder_pid": holder.pid, "holder_start": holder.start_time,
             "owner_pid": os.getpid(), "owner_start": _process_start_time(os.getpid()),
-            "deadline": sandbox.deadline,
+            "deadline": sandbox.deadline, "snapshot": sandbox.snapshot.id,
             "cgroups": [str(p) for p in holder.cgroup.paths.values()] if holder.cgroup else [],
         }
         path = self._registry_path(sandbox.id)
@@ -826,6 +804,20 @@ class LocalBackend(SandboxBackend):
             sandbox_dir.rmdir()
         except OSError:
             shutil.rmtree(sandbox_dir, ignore_errors=True)
+
+    def snapshots_in_use(self) -> set[str]:
+        in_use = set()
+        for path in (self.root / "registry").glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if _pid_alive(record["holder_pid"], record.get("holder_start")):
+                # A record without its snapshot id (written before it was recorded) pins every snapshot.
+                in_use.add(record.get("snapshot", "*"))
+        if "*" in in_use:
+            in_use |= {p.name for p in (self.root / "snapshots").glob("snap-*")}
+        return in_use
 
     def reap_orphans(self) -> int:
         reaped = 0

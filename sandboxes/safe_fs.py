@@ -58,10 +58,16 @@ def normalize_relative(path: str) -> str:
     return "/".join(parts)
 
 
-def open_beneath(root_fd: int, relative: str, flags: int, mode: int = 0o644) -> int:
-    """openat2 ``relative`` below ``root_fd``; a resolution leaving the root raises PathOutsideWorkspace."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
-                   RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV)
+def open_beneath(root_fd: int, relative: str, flags: int, mode: int = 0o644, *, follow_symlinks: bool = True) -> int:
+    """openat2 ``relative`` below ``root_fd``; a resolution leaving the root raises PathOutsideWorkspace.
+
+    ``follow_symlinks=False`` adds ``RESOLVE_NO_SYMLINKS``: any symlink in any component is refused,
+    even one that would stay inside (archive extraction writes links but never goes through them).
+    """
+    resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+    if not follow_symlinks:
+        resolve |= RESOLVE_NO_SYMLINKS
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve)
     fd = _libc.syscall(SYS_OPENAT2, root_fd, (relative or ".").encode(), ctypes.byref(how), ctypes.sizeof(how))
     if fd >= 0:
         return fd

@@ -191,6 +191,12 @@ AGENT_BUILTIN_MODEL_NAME = env_str("AGENT_BUILTIN_MODEL_NAME", "flowstate")
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_UPLOAD_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+# Snapshots, uploads and dead sandboxes older than this are deleted by manage.py gc_sandboxes (which
+# every agent worker also runs every SANDBOX_GC_INTERVAL_S); anything a live task or sandbox uses is kept.
+SANDBOX_RETENTION_S = env_int("FLOWSTATE_SANDBOX_RETENTION_S", 3 * 24 * 3600, minimum=60)
+SANDBOX_GC_INTERVAL_S = env_int("FLOWSTATE_SANDBOX_GC_INTERVAL_S", 3600, minimum=10)
+# Git hosts whose internal (loopback/private) addresses may be cloned from; all others must be public.
+GIT_ALLOWED_HOSTS = [host.lower() for host in env_list("FLOWSTATE_GIT_ALLOWED_HOSTS", [])]
 
 # --- Auth ------------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

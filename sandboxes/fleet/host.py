@@ -53,6 +53,10 @@ class SandboxHostConfig:
     """Threads running blocking backend calls; default ``slots + 4`` so every slot can work at once."""
     reap_interval_s: float = 5.0
     """How often sandboxes past their lifetime are destroyed and their slots freed."""
+    retention_s: float = 3 * 24 * 3600
+    """Snapshots older than this that no live sandbox uses are deleted (``SandboxBackend.gc``)."""
+    gc_interval_s: float = 3600.0
+    """How often the host runs that retention pass."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form labels shown with the host (zone, machine type)."""
 
@@ -72,6 +76,8 @@ class SandboxHostConfig:
             raise ValueError(f"SandboxHostConfig.heartbeat_sink={self.heartbeat_sink!r} must be 'module.function'")
         if self.workers is not None and self.workers < 1:
             raise ValueError("SandboxHostConfig.workers must be at least 1")
+        if self.retention_s <= 0 or self.gc_interval_s <= 0:
+            raise ValueError("SandboxHostConfig.retention_s and gc_interval_s must be positive")
         if self.reap_interval_s <= 0:
             raise ValueError("SandboxHostConfig.reap_interval_s must be positive")
 
@@ -217,9 +223,16 @@ class SandboxHost:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_expired_loop())
 
     async def _reap_expired_loop(self) -> None:
+        last_gc = time.monotonic()
         while not self._stop.is_set():
             await asyncio.sleep(self.config.reap_interval_s)
             await self.reap_expired()
+            if time.monotonic() - last_gc >= self.config.gc_interval_s:
+                last_gc = time.monotonic()
+                try:
+                    await self._blocking(self.backend.gc, max_age_s=self.config.retention_s)
+                except Exception:  # a failed retention pass must not stop the reaper
+                    logger.exception("snapshot retention pass failed")
 
     async def reap_expired(self) -> int:
         """Destroy idle sandboxes whose lifetime is over (a caller forgot them) and free their slots."""

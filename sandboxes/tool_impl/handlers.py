@@ -14,11 +14,18 @@ from typing import Any
 
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.safe_fs import normalize_relative
+from sandboxes.tool_impl.lines import count_lines, line_offset, line_slice
 from sandboxes.tool_impl.lints import LintUnavailable, introduced_diagnostics
 from sandboxes.tool_impl.text import diff_sections, head_tail, number_lines, original_from_diff
 
 READ_FILE_MAX_LINES = 2000
 """Most lines one read_file call returns; the result says how to read the rest."""
+READ_FILE_MAX_BYTES = 512 * 1024
+"""Most bytes of file text one read_file call returns (fewer lines when they are long)."""
+LINT_MAX_FILE_BYTES = 256 * 1024
+"""read_lints skips larger Python files (with a note): ruff's diagnostics on them can dwarf the file."""
+LINT_MAX_DIAGNOSTICS = 200
+"""Most diagnostics read_lints returns; the count of the rest is given."""
 GREP_MAX_RESULTS = 500
 """Upper bound on grep's max_results argument."""
 GREP_MAX_COLUMNS = 300
@@ -53,12 +60,13 @@ def _decode_text(data: bytes, path: str) -> str:
 
 
 def read_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
+    # Works on bytes and decodes only the lines returned: host memory is the file's bytes plus the
+    # (capped) result, never one object per line.
     path = normalize_relative(args["path"])
-    text = _decode_text(sandbox.read_bytes(path), path)
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    total = len(lines)
+    data = sandbox.read_bytes(path)
+    if b"\x00" in data[:8192]:
+        raise ToolFailure(f"{path} is a binary file ({len(data)} bytes); read_file only shows text")
+    total = count_lines(data)
     start = args.get("start_line", 1)
     end = args.get("end_line", total)
     if start > max(total, 1):
@@ -66,7 +74,21 @@ def read_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     if end < start:
         raise ToolFailure(f"end_line {end} is before start_line {start}")
     end = min(end, total, start + READ_FILE_MAX_LINES - 1)
-    body = number_lines(lines[start - 1 : end], start) if total else ""
+    chunk = line_slice(data, start, end) if total else b""
+    del data
+    if len(chunk) > READ_FILE_MAX_BYTES:
+        cut = chunk.rfind(b"\n", 0, READ_FILE_MAX_BYTES) + 1
+        if cut > 0:
+            end = start + chunk.count(b"\n", 0, cut) - 1
+            chunk = chunk[:cut]
+    lines = chunk.decode("utf-8", "replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    clipped = len(chunk) > READ_FILE_MAX_BYTES
+    if clipped:
+        end = start
+        lines = [lines[0][: READ_FILE_MAX_BYTES // 4] + f" [line cut at {READ_FILE_MAX_BYTES // 4} characters]"]
+    body = number_lines([line + "\n" for line in lines], start) if total else ""
     header = f"{path} (lines {start}-{end} of {total})\n" if total else f"{path} (empty file)\n"
     footer = ""
     if end < min(args.get("end_line", total), total):
@@ -126,7 +148,7 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     updated = text[:at] + new + text[at + len(old) :]
     sandbox.write_bytes(path, updated.encode("utf-8"))
     first = _line_of(updated, at)
-    snippet = _edited_snippet(updated.splitlines(keepends=True), first, first + new.count("\n"))
+    snippet = _snippet_of(updated.encode("utf-8"), first, first + new.count("\n"))
     return Outcome(f"Edited {path}: replaced 1 occurrence at line {_line_of(text, at)}.\n{snippet}",
                    meta={"path": path, "line": first})
 
@@ -168,6 +190,15 @@ def _edited_snippet(lines: list[str], first: int, last: int, context: int = 3) -
     return snippet if not snippet or snippet.endswith("\n") else snippet + "\n"
 
 
+def _snippet_of(data: bytes, first: int, last: int, context: int = 3) -> str:
+    """``_edited_snippet`` on raw bytes without splitting the whole file into line objects."""
+    lo, hi = max(first - context, 1), min(last + context, count_lines(data))
+    lines = [line + "\n" for line in line_slice(data, lo, hi).decode("utf-8", "replace").split("\n")]
+    if lines and lines[-1] == "\n":
+        lines.pop()
+    return number_lines(lines, lo) if lines else ""
+
+
 def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     # An edit addressed by line number: the model names lines it read (read_file numbers them) and writes
     # only their new text, so it never has to reproduce the old text exactly as edit_file requires.
@@ -175,23 +206,28 @@ def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     start, end, new = args["start_line"], args["end_line"], args["new_text"]
     if end < start:
         raise ToolFailure(f"end_line {end} is before start_line {start}")
-    text = _decode_text(sandbox.read_bytes(path), path)
-    lines = text.splitlines(keepends=True)
-    if end > len(lines):
+    # Bytes and line offsets (numbered as read_file numbers them, at '\n'), never a list of every line;
+    # bytes outside the replaced lines are written back untouched.
+    data = sandbox.read_bytes(path)
+    _decode_text(data[:8192], path)
+    total = count_lines(data)
+    if end > total:
         raise ToolFailure(
-            f"{path} has {len(lines)} lines, so lines {start}-{end} do not exist; read the file again for the numbers"
+            f"{path} has {total} lines, so lines {start}-{end} do not exist; read the file again for the numbers"
         )
     if new and not new.endswith("\n"):
         new += "\n"
-    old = "".join(lines[start - 1 : end])
-    if old == new:
+    lo = line_offset(data, start)
+    hi = line_offset(data, end - start + 2, start=lo)
+    if data[lo:hi].decode("utf-8", "replace") == new:
         raise ToolFailure(f"new_text equals lines {start}-{end} of {path}; nothing would change")
-    updated = "".join(lines[: start - 1]) + new + "".join(lines[end:])
-    sandbox.write_bytes(path, updated.encode("utf-8"))
+    updated = data[:lo] + new.encode("utf-8") + data[hi:]
+    del data
+    sandbox.write_bytes(path, updated)
     written = new.count("\n")
     plural = "" if end == start else "s"
     summary = f"Edited {path}: replaced line{plural} {start}-{end} with {written} line{'' if written == 1 else 's'}.\n"
-    snippet = _edited_snippet(updated.splitlines(keepends=True), start, max(start, start + written - 1))
+    snippet = _snippet_of(updated, start, max(start, start + written - 1))
     return Outcome(summary + snippet, meta={"path": path, "line": start, "lines_removed": end - start + 1,
                                             "lines_written": written})
 
@@ -269,13 +305,18 @@ def read_lints(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
         skipped = []
     diagnostics = []
     checked = []
+    too_big = []
     for path in paths:
         try:
-            current = sandbox.read_bytes(path).decode("utf-8", "replace")
+            raw = sandbox.read_bytes(path)
         except SandboxError as exc:
             if path in sections and "+++ /dev/null" in sections[path]:
                 continue
             raise ToolFailure(str(exc)) from None
+        if len(raw) > LINT_MAX_FILE_BYTES or "\nLarge files " in sections.get(path, ""):
+            too_big.append(path)
+            continue
+        current = raw.decode("utf-8", "replace")
         original = original_from_diff(current, sections[path]) if path in sections else current
         try:
             diagnostics += introduced_diagnostics(path, current, original)
@@ -283,12 +324,16 @@ def read_lints(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
             raise ToolFailure(str(exc)) from None
         checked.append(path)
     note = "".join(f"{p}: not a Python file; read_lints checks .py files only\n" for p in skipped)
+    note += "".join(f"{p}: over {LINT_MAX_FILE_BYTES} bytes; read_lints does not check files this large\n"
+                    for p in too_big)
     if not checked:
         return Outcome(note + "No changed Python files to lint.\n", meta={"files": 0, "diagnostics": 0})
     if not diagnostics:
         return Outcome(note + f"No new lint errors in {len(checked)} file(s).\n",
                        meta={"files": len(checked), "diagnostics": 0})
-    body = "".join(d.render() + "\n" for d in diagnostics)
+    body = "".join(d.render() + "\n" for d in diagnostics[:LINT_MAX_DIAGNOSTICS])
+    if len(diagnostics) > LINT_MAX_DIAGNOSTICS:
+        body += f"[{len(diagnostics) - LINT_MAX_DIAGNOSTICS} more not shown; fix these first]\n"
     return Outcome(note + f"{len(diagnostics)} new lint error(s):\n{body}",
                    meta={"files": len(checked), "diagnostics": len(diagnostics)})
 

@@ -26,6 +26,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
 def test_pause_and_resume_through_a_real_celery_worker(owner, celery_worker_process, settings, tmp_path):
     settings.STATE_DIR = tmp_path
     checkpoint = str(create_random_checkpoint(tmp_path / "policy", "tiny", seed=0, max_seq_len=4096))
+    settings.MODEL_CHECKPOINT = checkpoint  # a launch names a registered checkpoint, never a typed path
     config = {
         "init_checkpoint": checkpoint,
         # Enough steps that the pause, sent after the first checkpoint, lands before the end even when

@@ -62,3 +62,28 @@ def test_host_config_rejects_bad_values():
         SandboxHostConfig(host_name="h", slots=1, backend="k8s")
     with pytest.raises(ValueError, match="module.function"):
         SandboxHostConfig(host_name="h", slots=1, heartbeat_sink="nodots")
+    with pytest.raises(ValueError, match="retention_s and gc_interval_s must be positive"):
+        SandboxHostConfig(host_name="h", slots=1, retention_s=0)
+
+
+async def test_host_runs_the_retention_pass(repo, sandbox_root):
+    import os
+    import time
+
+    host = SandboxHost(SandboxHostConfig(host_name="gc-host", slots=1, heartbeat_sink=None, reap_interval_s=0.1,
+                                         gc_interval_s=0.1, retention_s=3600))
+    try:
+        old = await host.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+        kept = await host.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+        aged = time.time() - 7200
+        os.utime(Path(old.location).parent, (aged, aged))
+        box = await host.create(snapshot=kept, limits=SandboxLimits(memory_mb=256), purpose="product", tenant="u")
+        os.utime(Path(kept.location).parent, (aged, aged))
+        deadline = time.monotonic() + 15
+        while Path(old.location).exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not Path(old.location).exists()
+        assert Path(kept.location).is_dir()  # a live sandbox was created from it
+        assert (await host.exec(box, "cat a.txt")).stdout == "a\n"
+    finally:
+        await host.shutdown()

@@ -10,7 +10,7 @@ from webapp.agents.selectors import repository_list
 
 class TaskSubmitForm(forms.Form):
     repository = forms.ModelChoiceField(queryset=None, required=False, empty_label="— none: use a git URL or archive —")
-    git_url = forms.CharField(required=False, label="Git URL", help_text="https://…, ssh://…, git://… or user@host:path")
+    git_url = forms.CharField(required=False, label="Git URL", help_text="https://… or git://…")
     git_ref = forms.CharField(required=False, label="Git ref")
     archive = forms.FileField(required=False, help_text=".tar.gz, .tgz, .tar or .zip")
     prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 5}), max_length=20000)

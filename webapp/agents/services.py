@@ -32,7 +32,7 @@ from webapp.agents.selectors import LIVE_CHANNEL_LAYER, event_to_wire, event_wir
 
 logger = logging.getLogger(__name__)
 
-GIT_URL_PATTERN = re.compile(r"^(https?://|ssh://|git://)[^\s]+$|^[\w.-]+@[\w.-]+:[^\s]+$")
+GIT_URL_PATTERN = re.compile(r"^(https?://|git://)[^\s]+$")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_ARCHIVE_MEMBERS = 20_000
 MAX_ARCHIVE_UNPACKED_BYTES = 512 * 1024 * 1024
@@ -218,10 +218,29 @@ def _archive_check(path: Path) -> None:
 
 
 def git_url_check(*, url: str) -> str:
+    """Syntax, scheme and (for address literals and names that resolve now) the outbound address guard.
+
+    The worker checks the resolved address again right before it clones and pins git to it.
+    """
+    from sandboxes.git_fetch import GitSourceRejected, check_url
+
     url = (url or "").strip()
     if not GIT_URL_PATTERN.match(url):
-        raise ValidationError({"git_url": f"'{url}' is not a git URL; use https://, ssh://, git:// or user@host:path"})
+        raise ValidationError({"git_url": f"'{url[:200]}' is not a git URL; use https:// or git://"})
+    try:
+        check_url(url, resolve_required=False)
+    except GitSourceRejected as exc:
+        raise ValidationError({"git_url": str(exc)}) from None
     return url
+
+
+def git_ref_check(*, ref: str) -> str:
+    from sandboxes.git_fetch import GitSourceRejected, check_ref
+
+    try:
+        return check_ref(ref)
+    except GitSourceRejected as exc:
+        raise ValidationError({"git_ref": str(exc)}) from None
 
 
 @transaction.atomic
@@ -250,6 +269,11 @@ def repository_create(
         raise ValidationError({"kind": f"unknown repository kind '{kind}'; use git, path or archive"})
     if ref and kind != Repository.Kind.GIT:
         raise ValidationError({"ref": "a ref only applies to git repositories"})
+    if ref:
+        try:
+            ref = git_ref_check(ref=ref)
+        except ValidationError as exc:
+            raise ValidationError({"ref": exc.message_dict["git_ref"]}) from None
     return Repository.objects.create(owner=owner, team=team, name=name, kind=kind, location=location, ref=ref,
                                      description=description)
 
@@ -344,7 +368,7 @@ def task_create(
     if repository is not None:
         kind, location, ref, label = repository.kind, repository.location, repository.ref, repository.name
     elif git_url:
-        kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref.strip()
+        kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref_check(ref=git_ref)
         label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
     else:
         kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
@@ -611,7 +635,7 @@ def task_run(*, task_id: int) -> str:
 
     heartbeat = threading.Thread(target=beat, name=f"heartbeat-task-{task_id}", daemon=True)
     heartbeat.start()
-    sandbox = None
+    sandbox = snapshot = None
     try:
         try:
             policy = _policy_for(task)
@@ -649,6 +673,11 @@ def task_run(*, task_id: int) -> str:
                 sandbox.destroy()
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
+        if snapshot is not None:
+            try:
+                backend.snapshot_delete(snapshot=snapshot)
+            except Exception:
+                logger.exception("could not delete the snapshot of task %s", task_id)
 
 
 def tasks_recover_stale(*, include_queued: bool) -> int:

@@ -34,9 +34,32 @@ def _sweep_once(*, include_queued: bool) -> None:
         connection.close()
 
 
+def _gc_once() -> None:
+    from django.db import connection
+
+    from webapp.agents.retention import sandboxes_gc
+
+    try:
+        counts = sandboxes_gc()
+        if any(counts.values()):
+            logger.info("retention: %s", counts)
+    except Exception:
+        logger.exception("the sandbox retention pass failed")
+    finally:
+        connection.close()
+
+
 def _sweep_forever(interval_s: float) -> None:
+    import time
+
+    from django.conf import settings
+
+    last_gc = time.monotonic()
     while not _stop_sweeping.wait(interval_s):
         _sweep_once(include_queued=False)
+        if time.monotonic() - last_gc >= settings.SANDBOX_GC_INTERVAL_S:
+            last_gc = time.monotonic()
+            _gc_once()
 
 
 @worker_ready.connect

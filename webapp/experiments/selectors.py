@@ -7,11 +7,18 @@ import dataclasses
 import inspect
 import itertools
 from functools import cache
+from pathlib import Path
 
 from django.db.models import QuerySet
 
 from webapp.core.selectors import owned_get_for_change, owned_get_visible, owned_visible_to
-from webapp.experiments.models import BenchmarkRun, Experiment, ExperimentRollout, ExperimentStep
+from webapp.experiments.models import (
+    BenchmarkRun,
+    Experiment,
+    ExperimentCheckpoint,
+    ExperimentRollout,
+    ExperimentStep,
+)
 
 # Fields of AsyncRLConfig the launch form does not offer: derived from the experiment or the server.
 SERVER_CONTROLLED_FIELDS = ("run_dir", "ray_address", "sandbox_backend")
@@ -157,3 +164,24 @@ def experiment_form_fields() -> list[dict]:
             {"name": item.name, "type": str(item.type), "default": default, "help": docs.get(item.name, "")}
         )
     return fields
+
+
+def checkpoint_choices(*, user) -> dict[str, str]:
+    """Checkpoints a launch may start from, {name: directory}: the configured model, the checkpoint
+    directories shipped under ``models/``, and checkpoints of experiments the user can see
+    (``experiment-<id>-step-<step>``). A launch names one of these; it never types a server path."""
+    from django.conf import settings
+
+    choices: dict[str, str] = {}
+    if settings.MODEL_CHECKPOINT:
+        choices["default"] = str(settings.MODEL_CHECKPOINT)
+    models_dir = Path(settings.BASE_DIR) / "models"
+    if models_dir.is_dir():
+        for entry in sorted(models_dir.iterdir()):
+            if entry.is_dir() and not entry.is_symlink() and (entry / "config.json").is_file():
+                choices[f"models/{entry.name}"] = str(entry)
+    visible = experiment_list(user=user).values_list("pk", flat=True) if user is not None else []
+    for experiment_id, step, path in ExperimentCheckpoint.objects.filter(experiment_id__in=list(visible)).values_list(
+            "experiment_id", "step", "path")[:500]:
+        choices[f"experiment-{experiment_id}-step-{step}"] = path
+    return choices

@@ -50,7 +50,23 @@ def _experiments_root() -> Path:
     return Path(settings.STATE_DIR) / "experiments"
 
 
-def _validated_config(config: dict[str, Any], *, run_dir: str) -> dict[str, Any]:
+def _checkpoint_from_choices(value: Any, *, owner) -> str:
+    """The directory of a registered checkpoint named (or, for clones, equal to) ``value``.
+
+    The same error for every unknown value: it never tells whether a server path exists.
+    """
+    from webapp.experiments.selectors import checkpoint_choices
+
+    choices = checkpoint_choices(user=owner)
+    if isinstance(value, str) and value in choices:
+        return choices[value]
+    if isinstance(value, str) and value and value in choices.values():
+        return value
+    names = ", ".join(list(choices)[:30]) or "none are registered (set FLOWSTATE_MODEL_CHECKPOINT)"
+    raise ValidationError({"init_checkpoint": f"choose a registered checkpoint by name: {names}"})
+
+
+def _validated_config(config: dict[str, Any], *, run_dir: str, owner=None) -> dict[str, Any]:
     """The config as AsyncRLConfig accepts it, or a ValidationError naming the field to fix."""
     from training.rollout.driver import AsyncRLConfig, AsyncRLConfigError
 
@@ -60,6 +76,8 @@ def _validated_config(config: dict[str, Any], *, run_dir: str) -> dict[str, Any]
     if forbidden:
         raise ValidationError({"config": f"{', '.join(forbidden)} are set by the server; remove them"})
     data = dict(config)
+    if data.get("init_checkpoint"):
+        data["init_checkpoint"] = _checkpoint_from_choices(data["init_checkpoint"], owner=owner)
     data.setdefault("init_checkpoint", settings.MODEL_CHECKPOINT or "")
     data["sandbox_backend"] = settings.SANDBOX_BACKEND
     data["ray_address"] = settings.RAY_ADDRESS
@@ -112,7 +130,7 @@ def experiment_create(
     if not name:
         raise ValidationError({"name": "give the experiment a name"})
     placeholder_dir = str(_experiments_root() / "pending")
-    values = _validated_config(config, run_dir=placeholder_dir)
+    values = _validated_config(config, run_dir=placeholder_dir, owner=owner)
     experiment = Experiment.objects.create(
         owner=owner, team=team, name=name[:200], config=values, parent=parent
     )

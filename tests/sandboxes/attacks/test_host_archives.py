@@ -1,0 +1,190 @@
+"""Hostile archives extracted on the host never write outside the snapshot directory.
+
+Each archive is built the way an attacker would: link chains whose lexical normalisation stays
+inside while the kernel's resolution leaves, names long enough that ``os.path.realpath`` gives up
+(the tarfile ``data`` filter relies on it), hard links to files that were never in the archive, and
+corrupt zips. Every payload runs through ``snapshot_create`` on each backend and through
+``extract_archive`` directly; afterwards nothing may exist outside the destination.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import stat
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sandboxes.archives import ArchiveLimits, extract_archive
+from sandboxes.base import ArchiveRejected, RepoSource
+from tests.sandboxes.conftest import TEST_LIMITS
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes | None = None):
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+    return info, data
+
+
+def _zip(path: Path, members: list[tuple[str, str | None, bytes]]) -> Path:
+    """members: (name, 'link' or None, data); links are stored the way Info-ZIP stores them."""
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, kind, data in members:
+            info = zipfile.ZipInfo(name)
+            info.external_attr = ((0o120777 if kind == "link" else 0o100644) << 16)
+            zf.writestr(info, data)
+    return path
+
+
+def _outside_marker(tmp_path: Path) -> str:
+    return f"pwned-{secrets.token_hex(4)}"
+
+
+def zip_dot_chain(tmp_path: Path, marker: str) -> Path:
+    # sub/lnk -> ../ (lexically '.'), sub/lnk2 -> lnk/.. (lexically 'sub'); the kernel resolves
+    # sub/lnk2 to the destination's parent. A later member is created through it (before the fix:
+    # a directory and a link appeared next to the destination).
+    return _zip(tmp_path / "chain.zip", [
+        ("sub/lnk", "link", b"../"),
+        ("sub/lnk2", "link", b"lnk/.."),
+        (f"sub/lnk2/{marker}/inner", "link", b"x"),
+    ])
+
+
+def tar_dot_chain(tmp_path: Path, marker: str) -> Path:
+    return _tar(tmp_path / "chain.tar", [
+        _entry("sub", tarfile.DIRTYPE),
+        _entry("sub/lnk", tarfile.SYMTYPE, "../"),
+        _entry("sub/lnk2", tarfile.SYMTYPE, "lnk/.."),
+        _entry(f"sub/lnk2/{marker}.txt", data=b"owned\n"),
+    ])
+
+
+def tar_realpath_overflow(tmp_path: Path, marker: str) -> Path:
+    # Names long enough that os.path.realpath stops resolving (PATH_MAX), so tarfile's data filter
+    # reasons about a lexical path while the kernel follows the links (CVE-2025-4517's shape).
+    comp, steps, members, path = "d" * 247, "abcdefghijklmnop", [], ""
+    for step in steps:
+        members.append(_entry(os.path.join(path, comp), tarfile.DIRTYPE))
+        members.append(_entry(os.path.join(path, step), tarfile.SYMTYPE, comp))
+        path = os.path.join(path, comp)
+    linkpath = os.path.join(*steps, "l" * 254)
+    members.append(_entry(linkpath, tarfile.SYMTYPE, "../" * len(steps)))
+    members.append(_entry("escape", tarfile.SYMTYPE, linkpath + "/../"))
+    members.append(_entry(f"escape/{marker}.txt", data=b"owned\n"))
+    return _tar(tmp_path / "overflow.tar", members)
+
+
+PAYLOADS = {"zip-dot-chain": zip_dot_chain, "tar-dot-chain": tar_dot_chain,
+            "tar-realpath-overflow": tar_realpath_overflow}
+
+
+def _assert_nothing_outside(root: Path, marker: str) -> None:
+    found = [str(p) for p in root.rglob(f"{marker}*")]
+    assert found == [], f"archive wrote outside its destination: {found}"
+
+
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+def test_link_chains_never_write_outside(tmp_path, payload):
+    marker = _outside_marker(tmp_path)
+    archive = PAYLOADS[payload](tmp_path, marker)
+    work = tmp_path / "work"
+    work.mkdir()
+    destination = work / "dest"
+    with pytest.raises(ArchiveRejected, match="symlink"):
+        extract_archive(archive, destination)
+    _assert_nothing_outside(tmp_path, marker)
+    _assert_nothing_outside(Path("/tmp"), marker)
+
+
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+def test_link_chains_rejected_by_every_backend(sandbox_backend, tmp_path, payload):
+    marker = _outside_marker(tmp_path)
+    archive = PAYLOADS[payload](tmp_path, marker)
+    with pytest.raises(ArchiveRejected, match="symlink"):
+        sandbox_backend.snapshot_create(source=RepoSource(kind="archive", location=str(archive)))
+    _assert_nothing_outside(sandbox_backend.root, marker)
+    _assert_nothing_outside(tmp_path, marker)
+
+
+def test_hard_link_to_a_host_file_is_refused_and_the_file_untouched(sandbox_backend, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    victim = work / "victim.conf"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    before = victim.stat()
+    # The hard link names a host file reachable only through a link chain, then one never in the
+    # archive; a later regular member of the same name would write through the link.
+    payloads = [
+        [_entry("sub", tarfile.DIRTYPE), _entry("sub/lnk", tarfile.SYMTYPE, "../"),
+         _entry("sub/up", tarfile.SYMTYPE, "lnk/.."), _entry("h", tarfile.LNKTYPE, "sub/up/victim.conf"),
+         _entry("h", data=b"owned\n")],
+        [_entry("h", tarfile.LNKTYPE, "victim.conf"), _entry("h", data=b"owned\n")],
+        [_entry("l", tarfile.SYMTYPE, "a"), _entry("h", tarfile.LNKTYPE, "l")],
+    ]
+    for index, members in enumerate(payloads):
+        archive = _tar(tmp_path / f"hard-{index}.tar", members)
+        for run_as in (None, (54321, 54321)):
+            with pytest.raises(ArchiveRejected, match="regular file extracted earlier|through a symlink"):
+                extract_archive(archive, work / f"dest-{index}-{run_as is None}", run_as=run_as)
+        with pytest.raises(ArchiveRejected, match="regular file extracted earlier|through a symlink"):
+            sandbox_backend.snapshot_create(source=RepoSource(kind="archive", location=str(archive)))
+    after = victim.stat()
+    assert (after.st_mode, after.st_mtime_ns, after.st_nlink, victim.read_text()) == \
+        (before.st_mode, before.st_mtime_ns, 1, "secret\n")
+
+
+def test_safe_links_and_hard_links_within_the_archive_still_work(sandbox_backend, tmp_path):
+    archive = _tar(tmp_path / "ok.tar", [
+        _entry("src", tarfile.DIRTYPE), _entry("src/a.py", data=b"A = 1\n"),
+        _entry("src/alias.py", tarfile.SYMTYPE, "a.py"), _entry("copy.py", tarfile.LNKTYPE, "src/a.py"),
+        _entry("src/a.py", data=b"A = 2\n"),  # a later member of the same name wins, as with tar(1)
+    ])
+    snapshot = sandbox_backend.snapshot_create(source=RepoSource(kind="archive", location=str(archive)))
+    with sandbox_backend.sandbox_create(snapshot=snapshot, limits=TEST_LIMITS) as box:
+        assert box.exec("cat src/alias.py copy.py; readlink src/alias.py").stdout == "A = 2\nA = 1\na.py\n"
+    tree = Path(snapshot.location)
+    assert stat.S_ISLNK(os.lstat(tree / "src/alias.py").st_mode)
+    sandbox_backend.snapshot_delete(snapshot=snapshot)
+
+
+def test_corrupt_and_lying_zips_raise_archive_rejected(sandbox_backend, tmp_path):
+    good = _zip(tmp_path / "good.zip", [("a.txt", None, b"hello world " * 1000)])
+    raw = bytearray(good.read_bytes())
+    corrupt = tmp_path / "corrupt.zip"
+    middle = len(raw) // 3
+    raw[middle:middle + 40] = b"\xff" * 40
+    corrupt.write_bytes(bytes(raw))
+    truncated = tmp_path / "truncated.zip"
+    truncated.write_bytes(good.read_bytes()[:-30])
+    for archive in (corrupt, truncated):
+        with pytest.raises(ArchiveRejected, match="corrupt|truncated|neither a zip"):
+            sandbox_backend.snapshot_create(source=RepoSource(kind="archive", location=str(archive)))
+    with pytest.raises(ArchiveRejected, match="declared size|over the"):
+        bomb = _zip(tmp_path / "bomb.zip", [("z", None, b"\0" * 200_000)])
+        extract_archive(bomb, tmp_path / "out", limits=ArchiveLimits(max_member_bytes=1000, max_total_bytes=4000))
+
+
+def test_extraction_runs_unprivileged_when_root(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("privilege drop is only meaningful when the worker runs as root")
+    archive = _tar(tmp_path / "who.tar", [_entry("f.txt", data=b"x\n")])
+    destination = tmp_path / "dest"
+    extract_archive(archive, destination, run_as=(54321, 54321))
+    assert (destination / "f.txt").stat().st_uid == 54321
