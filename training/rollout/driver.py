@@ -175,8 +175,8 @@ class AsyncRLConfig:
     reference fix (SWE-RL-style shaping, training.tasks.reward.RewardConfig.reference_similarity_weight):
     groups where every rollout failed then still train, towards the near-misses. 0 keeps rewards test-only;
     must be below 1 so a pass always scores highest. Held-out evaluation never uses it. On the toy tier's
-    1.1M-parameter policy 0.3 cost 6 points of held-out pass@1 (BENCHMARKS.md, stop 35): the all-fail groups
-    it trains sharpen failing edits."""
+    1.1M-parameter policy 0.3 cost 6 points of held-out pass@1 (docs/notebook/rl-learning-stops-28-42.md,
+    stop 35): the all-fail groups it trains sharpen failing edits."""
     copy_constraint: bool = True
     """The inference actors let edit_file's old_str be only text of the conversation's tool results
     (training.copy_constraint), exactly as the product serves the model; False samples it freely."""

@@ -27,7 +27,7 @@ def objective_options_problem(
         return (
             f"entropy_coef={entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 sharpens the "
             "policy, > 0 keeps it exploring; the rewards differ by at most 1, so a larger weight lets the entropy "
-            "term alone decide the update (the runs in BENCHMARKS.md used -0.5 and 0.1)."
+            "term alone decide the update (the learning runs in docs/notebook/ used -0.5 and 0.1)."
         )
     if entropy_scope not in ENTROPY_SCOPES:
         return (
