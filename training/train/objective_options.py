@@ -1,7 +1,7 @@
 """Checks of the policy-objective options that both the GRPO loss and the launch form configure.
 
 Torch-free on purpose: `training.train.grpo.GRPOConfig` (which the learner builds) and
-`training.rollout.driver.AsyncRLConfig` (which the web process builds to validate a launch form,
+`training.rollout.config.AsyncRLConfig` (which the web process builds to validate a launch form,
 and must not pay a torch import for) both call `objective_options_problem`, so the bounds and their
 messages live in one place. Each message starts with the field name, which the launch form keys on.
 """
