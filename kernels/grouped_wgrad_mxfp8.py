@@ -111,7 +111,7 @@ def grouped_wgrad_launch(
     offsets: torch.Tensor,
     token_block: int,
     out_dtype: torch.dtype = torch.float32,
-    block_k: int = 128,  # 128 x 64 tiles: the fastest of a sweep on an H100 (BENCHMARKS.md)
+    block_k: int = 128,  # 128 x 64 tiles: the fastest of a sweep on an H100 (docs/notebook/kernels.md)
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,

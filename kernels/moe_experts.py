@@ -19,7 +19,8 @@ wgrad      activations, 32x1 along tokens   output grad, 32x1 along tokens (per 
 
 The forward weight is quantized from a transposed copy ([E, N, K], 1x32 along K: the same blocks and
 bits as 32x1 along K of [E, K, N]) and multiplied as ``x @ w_t[e].T``: FP8 tensor cores on Hopper take
-only K-major operands, and with N-major weights the kernel ran at a fraction of the speed (BENCHMARKS.md).
+only K-major operands, and with N-major weights the kernel ran at a fraction of the speed
+(docs/notebook/kernels.md).
 
 Where the GEMMs run ("backend"): "reference" dequantizes the MXFP8 operands and multiplies in fp32
 with PyTorch (identical quantization bits, so CPU training has the same numerics as the GPU);

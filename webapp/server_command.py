@@ -11,6 +11,6 @@ def asgi_server_command(*, host: str, port: int, log_level: str = "info") -> lis
         sys.executable, "-m", "uvicorn", "webapp.asgi:application",
         "--host", host, "--port", str(port), "--log-level", log_level,
         # Per-message deflate compresses every live event once per viewer: +30 ms p99 with 500
-        # viewers of one task (BENCHMARKS.md, "Cloud agents").
+        # viewers of one task (docs/notebook/events.md, stop 12).
         "--ws-per-message-deflate", "false",
     ]

@@ -2,13 +2,10 @@
 
     .venv/bin/python -m training.rollout.driver --config run.json      (a JSON AsyncRLConfig)
 
-Actors:
-- `InferenceActor`: the generation engine (training.serving.ChatModel) with versioned weights;
-  after every policy update the driver pushes the new weights (one `ray.put`, then `set_weights`
-  on every actor) before the new version is used for dispatch.
-- `RolloutWorker`: an environment server. It creates the task's sandbox, runs the product's agent
-  loop (training.agent.loop.run_agent) with a policy that calls an inference actor, scores the
-  result with the hidden tests, and returns the tokens/logprobs the learner needs.
+The run's pieces live in their own modules: its typed config (training.rollout.config), the
+run-directory file protocol the web app reads (training.rollout.run_dir) and the Ray actors
+(training.rollout.actors: inference servers with versioned weights, rollout workers that run the
+agent loop in a sandbox and score it). Their public names are importable from here too.
 
 The driver feeds the continuous `RolloutScheduler` (bounded staleness, a slow rollout never holds
 the others back), trains in a learner thread with the trainer's GRPO update
@@ -27,592 +24,63 @@ import logging
 import os
 import queue
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from training.rollout.scheduler import (
-    RolloutRequest,
-    RolloutSample,
-    RolloutScheduler,
-    SchedulerConfig,
-    SchedulerConfigError,
+from training.rollout.actors import (
+    InferenceServer,
+    RemoteInferencePolicy,
+    RolloutServer,
+    _edit_file_arguments,
+    task_for_group,
 )
-from training.train.objective_options import objective_options_problem
+from training.rollout.config import AsyncRLConfig, AsyncRLConfigError, update_config_for
+from training.rollout.run_dir import (
+    METRICS_FILE,
+    ROLLOUTS_FILE,
+    STATUS_FILE,
+    TRACES_DIR,
+    append_jsonl,
+    checkpointed_version,
+    read_jsonl,
+    read_status,
+    run_finished,
+    trace_path,
+    truncate_jsonl,
+    write_json,
+    write_status,
+)
+from training.rollout.scheduler import RolloutRequest, RolloutSample, RolloutScheduler
 
-if TYPE_CHECKING:  # torch-free at import time: the web process validates launch configs with this module
-    from training.tasks.reward import RewardConfig
-    from training.train.rl import RLConfig
+__all__ = [
+    "METRICS_FILE",
+    "ROLLOUTS_FILE",
+    "STATUS_FILE",
+    "TRACES_DIR",
+    "AsyncRLConfig",
+    "AsyncRLConfigError",
+    "InferenceServer",
+    "RemoteInferencePolicy",
+    "RolloutServer",
+    "_edit_file_arguments",
+    "checkpointed_version",
+    "main",
+    "read_jsonl",
+    "read_status",
+    "run_async_rl",
+    "run_finished",
+    "task_for_group",
+    "trace_path",
+    "update_config_for",
+]
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-ROLLOUTS_FILE = "rollouts.jsonl"
-STATUS_FILE = "driver_status.json"
-TRACES_DIR = "traces"
 
-
-def trace_path(run_dir: str | Path, rollout_id: str) -> Path:
-    """Where the full agent trace (events, messages, diff) of a trained rollout is stored."""
-    return Path(run_dir) / TRACES_DIR / (rollout_id.replace("/", "__").replace("~", "_") + ".json")
-
-
-def checkpointed_version(run_dir: str | Path) -> int:
-    """Policy version of the newest complete checkpoint of the run (0 when there is none)."""
-    from training.train.state import latest_checkpoint
-
-    path = latest_checkpoint(run_dir)
-    return int(path.name.rsplit("-", 1)[-1]) if path is not None else 0
-
-
-def run_finished(run_dir: str | Path) -> bool:
-    """True when the run's driver last reported it finished: all its steps done, or its time budget spent."""
-    try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text()).get("state") == "finished"
-    except (OSError, ValueError):
-        return False
-
-
-class AsyncRLConfigError(ValueError):
-    """Contradictory settings of an asynchronous RL run; the message says how to fix them."""
-
-
-@dataclass
-class AsyncRLConfig:
-    """One asynchronous GRPO run on toy bug-fixing tasks."""
-
-    run_dir: str
-    """Checkpoints, metrics.jsonl and rollouts.jsonl go here; starting again on it resumes the run."""
-    init_checkpoint: str
-    """Policy checkpoint to start from (normally the SFT result)."""
-    steps: int = 10
-    """Policy updates to run in total (a resumed run continues up to this number)."""
-    tasks: int = 16
-    """Size of the pool of train-split toy tasks, cycled through in order."""
-    task_seed_start: int = 0
-    """First train-split toy task index of the pool."""
-    group_size: int = 4
-    """Rollouts per task; GRPO advantages are relative to the group."""
-    groups_per_step: int = 2
-    """Complete groups consumed by one policy update."""
-    max_staleness: int = 1
-    """Largest policy-version lag between generating a sample and training on it (0 = synchronous)."""
-    probe_size: int = 0
-    """Rollouts of each group run first; when they all earn the same reward the group is abandoned
-    (logged, not trained on) instead of finishing it for a zero gradient. 0 runs every group in full."""
-    rollout_workers: int = 4
-    """Environment servers (Ray actors), each running one rollout at a time."""
-    inference_actors: int = 1
-    """Generation-engine actors; rollout workers are spread over them round-robin."""
-    max_turns: int = 4
-    """Tool-calling turns per rollout."""
-    max_tokens_per_turn: int = 256
-    """Completion tokens per model call. The toy tier's fixing edit takes up to ~200 tokens of the default
-    tokenizer as an edit_file call (99 median) and up to 114 as the expert's replace_lines call (87
-    median), so a lower cap makes tasks unsolvable."""
-    context_tokens: int = 4096
-    """Context the agent loop may fill; must fit the model's max_seq_len."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts and of the training logprobs."""
-    rollout_wall_time_s: float = 300.0
-    """Wall-clock limit of one rollout's agent loop."""
-    lr: float = 1e-5
-    """Peak learning rate of the policy update (constant after the warmup unless min_lr_ratio < 1)."""
-    warmup_steps: int = 0
-    """Updates of linear warmup from ~0 to lr. A fresh Adam's first steps move every parameter by ~lr
-    whatever the gradient's size (its second-moment estimate is still one sample); a ramp lets that
-    estimate settle before the steps reach full size."""
-    min_lr_ratio: float = 1.0
-    """Learning rate at the last of `steps` updates as a fraction of lr, reached by a cosine decay over the
-    last lr_decay_fraction of the updates after the warmup; 1 keeps lr constant. The schedule counts
-    updates (policy versions, trained or not: a group whose rollouts agree still takes one), so a run
-    stopped by a clock should set steps to the updates its budget allows."""
-    lr_decay_fraction: float = 1.0
-    """Share of the updates after the warmup over which lr decays to min_lr_ratio * lr (the ones before
-    hold lr); 0.25 anneals over the last quarter."""
-    time_budget_minutes: float | None = None
-    """Training wall-clock budget: the run stops when it is spent (after the update in progress), and the
-    lr decay follows the clock as well as the update count (whichever is further along; on the clock it
-    covers the last lr_decay_fraction of the budget), so a clock-bound run ends its decay at the clock
-    whatever rate the machine reaches. Time spent before a pause counts: it is kept in checkpoints. None
-    runs until `steps` updates exist."""
-    gain_lr_scale: float = 1.0
-    """Learning-rate multiplier for normalisation gains (training.train.loop.OptimizerConfig): at an RL
-    learning rate Adam barely moves a gain of ~1.0, and the gains set how sharp the policy samples."""
-    negative_advantage_weight: float = 1.0
-    """Weight of below-group-mean rollouts in the update: 1 is GRPO, 0 reinforces only rollouts that
-    beat their group (RAFT-style, training.train.grpo.GRPOConfig.negative_advantage_weight)."""
-    entropy_coef: float = 0.0
-    """Weight of the policy's mean token entropy in the update (training.train.grpo.GRPOConfig.entropy_coef):
-    0 leaves it out, > 0 is an exploration bonus, < 0 sharpens the policy towards its modes. It acts on the
-    tokens the update trains: the rollouts of groups whose rewards differ."""
-    entropy_scope: str = "all"
-    """Rollouts the entropy term covers: "all" trained ones, or "positive" (only those that beat their
-    group, so sharpening does not lock in wrong choices; training.train.grpo.GRPOConfig.entropy_scope)."""
-    normalize_advantage_std: bool = False
-    """Divide each group's centred rewards by the group's reward standard deviation, as the GRPO paper does
-    (training.train.grpo.GRPOConfig.normalize_advantage_std): a rare success in a group of 16 then weighs ~4
-    times a success in an even group instead of ~2 times, so hard tasks' rare wins count for more."""
-    expert_guidance: bool = False
-    """When none of a group's valid rollouts passed, the scripted expert solves the task in a sandbox and its
-    trajectory joins the group as one more member, scored by the learner's own logprobs (importance ratio 1):
-    the group then carries a gradient towards the fix instead of none (training.train.guidance)."""
-    kl_coef: float = 0.0
-    """Weight of the per-token KL penalty to init_checkpoint's policy (training.train.grpo.GRPOConfig.kl_coef):
-    0 leaves it out; > 0 keeps the policy near where it started, at the cost of a second model in the learner
-    and one more forward pass per update."""
-    updates_per_step: int = 1
-    """Optimizer steps on each batch (later ones are off-policy, handled by the clipped ratio)."""
-    partial_credit: bool = False
-    """Reward the fraction of passing hidden tests instead of 0/1."""
-    reference_similarity_weight: float = 0.0
-    """A failed rollout scores this weight times its closest edit_file call's similarity to the task's
-    reference fix (SWE-RL-style shaping, training.tasks.reward.RewardConfig.reference_similarity_weight):
-    groups where every rollout failed then still train, towards the near-misses. 0 keeps rewards test-only;
-    must be below 1 so a pass always scores highest. Held-out evaluation never uses it. On the toy tier's
-    1.1M-parameter policy 0.3 cost 6 points of held-out pass@1 (BENCHMARKS.md, stop 35): the all-fail groups
-    it trains sharpen failing edits."""
-    copy_constraint: bool = True
-    """The inference actors let edit_file's old_str be only text of the conversation's tool results
-    (training.copy_constraint), exactly as the product serves the model; False samples it freely."""
-    sandbox_backend: str | None = None
-    """Sandbox backend the rollout workers use (None: the configured default)."""
-    ray_address: str | None = None
-    """Ray cluster to join; None starts a private local instance."""
-    ray_num_cpus: int = 2
-    """CPUs of the private local Ray instance (ignored when joining a cluster)."""
-    sandbox_hosts: bool = False
-    """Run rollout sandboxes on the fleet's sandbox-host actors (sandboxes.fleet) instead of in each
-    rollout worker; a private local Ray offers rollout_workers sandbox slots for them."""
-    fleet_heartbeats: bool = True
-    """With sandbox_hosts, hosts report heartbeats to the fleet dashboard (webapp.fleet)."""
-    seed: int = 0
-    """Seeds rollout sampling and the torch RNG."""
-    keep_checkpoints: int = 2
-    """Newest checkpoints kept on disk."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "steps",
-            "tasks",
-            "groups_per_step",
-            "rollout_workers",
-            "inference_actors",
-            "max_turns",
-            "max_tokens_per_turn",
-            "updates_per_step",
-            "keep_checkpoints",
-            "ray_num_cpus",
-        ):
-            if getattr(self, name) < 1:
-                raise AsyncRLConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise AsyncRLConfigError("group_size must be >= 2: the GRPO baseline is the mean of the group")
-        if self.max_staleness < 0:
-            raise AsyncRLConfigError("max_staleness must be >= 0 (0 runs synchronous batches)")
-        if self.temperature <= 0:
-            raise AsyncRLConfigError("temperature must be > 0: greedy rollouts of one task are identical")
-        if self.lr <= 0:
-            raise AsyncRLConfigError("lr must be > 0")
-        if self.warmup_steps < 0:
-            raise AsyncRLConfigError(f"warmup_steps must be >= 0 (0 starts at the full lr), got {self.warmup_steps}")
-        if self.gain_lr_scale <= 0:
-            raise AsyncRLConfigError(f"gain_lr_scale must be > 0 (1 trains gains at lr), got {self.gain_lr_scale}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise AsyncRLConfigError(f"min_lr_ratio must be in [0, 1] (1 keeps lr constant), got {self.min_lr_ratio}")
-        if not 0 < self.lr_decay_fraction <= 1:
-            raise AsyncRLConfigError(
-                f"lr_decay_fraction must be in (0, 1] (1 decays over every update after the warmup), "
-                f"got {self.lr_decay_fraction}"
-            )
-        if self.time_budget_minutes is not None and not self.time_budget_minutes > 0:
-            raise AsyncRLConfigError(
-                f"time_budget_minutes must be > 0 (leave it empty to run until `steps` updates), "
-                f"got {self.time_budget_minutes}"
-            )
-        problem = objective_options_problem(
-            negative_advantage_weight=self.negative_advantage_weight,
-            entropy_coef=self.entropy_coef,
-            entropy_scope=self.entropy_scope,
-            kl_coef=self.kl_coef,
-        )
-        if problem:
-            raise AsyncRLConfigError(problem.removesuffix("."))
-        from training.tasks.base import TaskError
-
-        try:
-            self.reward_config  # noqa: B018 - its checks (the shaping weight's range) are the reward's own
-        except TaskError as error:
-            raise AsyncRLConfigError(str(error).removeprefix("RewardConfig.")) from error
-        try:
-            self.scheduler_config  # noqa: B018 - its checks (probe_size) are the scheduler's own
-        except SchedulerConfigError as error:
-            # Without the class prefix the message starts with the field, which the launch form keys on.
-            raise AsyncRLConfigError(str(error).removeprefix("SchedulerConfig.")) from error
-        if self.inference_actors > self.rollout_workers:
-            raise AsyncRLConfigError(
-                f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
-                "extra inference actors would never get a request, lower inference_actors"
-            )
-        if not Path(self.init_checkpoint).is_dir():
-            raise AsyncRLConfigError(
-                f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
-                "directory written by training.checkpoint.save_checkpoint (e.g. the SFT result)"
-            )
-
-    @property
-    def reward_config(self) -> RewardConfig:
-        """The RewardConfig every rollout of this run is scored with."""
-        from training.tasks.reward import RewardConfig
-
-        return RewardConfig(
-            partial_credit=self.partial_credit, reference_similarity_weight=self.reference_similarity_weight
-        )
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_in_flight=self.rollout_workers,
-            group_size=self.group_size,
-            groups_per_step=self.groups_per_step,
-            max_staleness=self.max_staleness,
-            probe_size=self.probe_size,
-        )
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AsyncRLConfig:
-        known = {item.name for item in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise AsyncRLConfigError(f"unknown AsyncRLConfig fields {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
-
-
-def task_for_group(config: AsyncRLConfig, group_index: int):
-    from training.tasks.toy import generate_toy_task, toy_task_seeds
-
-    pool = toy_task_seeds(split="train", count=config.tasks, start=config.task_seed_start)
-    return generate_toy_task(pool[group_index % len(pool)])
-
-
-# --------------------------------------------------------------------------------------- actors
-class InferenceServer:
-    """Body of the inference actor: a ChatModel whose weights carry a version number."""
-
-    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int, copy_constraint: bool = True) -> None:
-        import torch
-
-        from training.engine import EngineConfig
-        from training.serving import ChatModel
-        from training.train.state import latest_checkpoint, load_train_checkpoint
-
-        torch.set_num_threads(1)
-        chat_model = ChatModel.load(
-            checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size), copy_constraint=copy_constraint
-        )
-        self.chat_model = chat_model
-        self.version = 0
-        self._weights_lock = threading.Lock()
-        # A restarted actor (its process died) comes back with the newest checkpointed weights,
-        # which are never older than what the driver last pushed.
-        latest = latest_checkpoint(run_dir)
-        if latest is not None:
-            restored = load_train_checkpoint(path=latest, model=chat_model.model, restore_rng=False)
-            self.version = int(restored.data_position["version"])
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def set_weights(self, version: int, state_dict: dict) -> int:
-        import torch
-
-        # Decoding may run between two calls of a rollout; the clipped importance ratio against the
-        # recorded logprobs accounts for samples that straddle a weight update.
-        with self._weights_lock, torch.no_grad():
-            self.chat_model.model.load_state_dict(state_dict)
-            self.version = version
-        return version
-
-    def complete(self, **kwargs) -> dict:
-        version = self.version
-        completion = self.chat_model.complete(**kwargs)
-        return {
-            "content": completion.content,
-            "tool_calls": completion.tool_calls,
-            "prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": completion.completion_tokens,
-            "finish_reason": completion.finish_reason,
-            "prompt_token_ids": list(completion.prompt_token_ids),
-            "token_ids": list(completion.token_ids),
-            "logprobs": list(completion.logprobs),
-            "routed_experts": completion.routed_experts,
-            "sampling_masks": completion.sampling_masks,
-            "version": version,
-        }
-
-
-class RemoteInferencePolicy:
-    """The agent-loop Policy over an inference actor, recording what the learner needs."""
-
-    def __init__(self, inference, *, seed: int) -> None:
-        self.inference = inference
-        self.name = "ray-inference"
-        self.seed = seed
-        self.segments: list = []
-        self.versions: list[int] = []
-
-    def complete(self, *, messages, tools, max_tokens, temperature, top_p, timeout_s):
-        import ray
-
-        from training.agent.policy import PolicyError, PolicyToolCall, PolicyTurn
-        from training.train.rollouts import Segment
-
-        started = time.monotonic()
-        try:
-            result = ray.get(
-                self.inference.complete.remote(
-                    messages=messages,
-                    tools=tools or None,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    seed=self.seed + len(self.segments),
-                    timeout_s=timeout_s,
-                ),
-                timeout=timeout_s + 30,
-            )
-        except ray.exceptions.RayTaskError as error:
-            if isinstance(error.cause, ValueError):  # the conversation outgrew the context: the agent's doing
-                raise PolicyError(str(error.cause), infrastructure=False) from error
-            raise PolicyError(f"inference actor failed: {error}", infrastructure=True) from error
-        except (ray.exceptions.RayError, TimeoutError) as error:
-            raise PolicyError(f"inference actor unreachable: {error}", infrastructure=True) from error
-        self.segments.append(
-            Segment(
-                prompt_token_ids=result["prompt_token_ids"],
-                token_ids=result["token_ids"],
-                logprobs=result["logprobs"],
-                routed_experts=result["routed_experts"],
-                sampling_masks=result["sampling_masks"],
-            )
-        )
-        self.versions.append(result["version"])
-        calls = [
-            PolicyToolCall(
-                id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"]
-            )
-            for call in result["tool_calls"]
-        ]
-        return PolicyTurn(
-            content=result["content"],
-            tool_calls=calls,
-            prompt_tokens=result["prompt_tokens"],
-            completion_tokens=result["completion_tokens"],
-            finish_reason=result["finish_reason"],
-            token_ids=result["token_ids"],
-            logprobs=result["logprobs"],
-            duration_s=time.monotonic() - started,
-        )
-
-
-def _tool_statistics(events: list[dict]) -> dict:
-    """Tool calls, tool-calling turns, turns with parallel calls, and the tool names used."""
-    per_turn: dict[int, int] = {}
-    names: dict[str, int] = {}
-    for event in events:
-        if event.get("kind") == "tool_call":
-            per_turn[event["turn"]] = per_turn.get(event["turn"], 0) + 1
-            name = event["payload"].get("name", "?")
-            names[name] = names.get(name, 0) + 1
-    return {
-        "tool_calls": sum(per_turn.values()),
-        "tool_turns": len(per_turn),
-        "parallel_turns": sum(1 for count in per_turn.values() if count > 1),
-        "tools_used": names,
-    }
-
-
-class RolloutServer:
-    """Body of the rollout worker actor: one sandboxed agent run per call, scored by hidden tests."""
-
-    def __init__(self, config_data: dict) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.config = AsyncRLConfig.from_dict(config_data)
-        self._fleet_snapshots: dict = {}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def _sandbox(self, task, fleet):
-        from sandboxes import get_backend
-        from training.tasks.sandboxing import DEFAULT_TASK_LIMITS, task_sandboxes_create
-
-        if fleet is None:
-            (sandbox,) = task_sandboxes_create(backend=get_backend(self.config.sandbox_backend), task=task)
-            return sandbox
-        from sandboxes.base import RepoSource
-
-        snapshot = self._fleet_snapshots.get(task.task_id)
-        if snapshot is None:
-            with tempfile.TemporaryDirectory(prefix=f"flowstate-task-{task.task_id}-") as directory:
-                task.materialize(Path(directory))
-                snapshot = fleet.snapshot_create(source=RepoSource(kind="path", location=directory))
-            self._fleet_snapshots[task.task_id] = snapshot
-        return fleet.sandbox_create(snapshot=snapshot, limits=DEFAULT_TASK_LIMITS)
-
-    def _limits(self):
-        from training.agent.config import AgentLimits
-
-        config = self.config
-        return AgentLimits(
-            max_turns=config.max_turns,
-            max_tokens=config.max_turns * config.max_tokens_per_turn * 2,
-            max_tokens_per_turn=config.max_tokens_per_turn,
-            wall_time_s=config.rollout_wall_time_s,
-            context_tokens=config.context_tokens,
-            temperature=config.temperature,
-            top_p=1.0,
-        )
-
-    def expert(self, *, group_index: int, fleet=None) -> dict:
-        """The scripted expert's verified solution of the group's task, run like a rollout in a sandbox.
-
-        Returns {"messages", "reward"}, or {"error"} when the expert could not solve it or a sandbox failed
-        (the group is then trained without guidance, as before).
-        """
-        from sandboxes.base import SandboxError
-        from training.tasks.reward import RewardInfrastructureError
-        from training.train.scripted_expert import ExpertTrajectoryError, expert_trajectory_run
-
-        task = task_for_group(self.config, group_index)
-        try:
-            trajectory = expert_trajectory_run(task=task, sandbox=self._sandbox(task, fleet), limits=self._limits())
-        except (ExpertTrajectoryError, RewardInfrastructureError, SandboxError, OSError) as error:
-            return {"error": f"{type(error).__name__}: {error}"}
-        return {"messages": trajectory.messages, "reward": trajectory.reward, "task_id": trajectory.task_id}
-
-    def run(
-        self, *, group_index: int, sample_index: int, rollout_id: str, inference, seed: int, fleet=None
-    ) -> dict:
-        from sandboxes.base import SandboxError
-        from training.agent.loop import run_agent
-        from training.tasks.reward import RewardInfrastructureError, score_rollout
-        from training.train.rollouts import RolloutRecord
-
-        config = self.config
-        task = task_for_group(config, group_index)
-        started = time.monotonic()
-        limits = self._limits()
-        policy = RemoteInferencePolicy(inference, seed=seed)
-        stats: dict = {"tool_calls": 0, "tool_turns": 0, "parallel_turns": 0, "tools_used": {}}
-        timings = {"sandbox_s": 0.0, "agent_s": 0.0, "reward_s": 0.0}
-        events: list[dict] = []
-
-        trace: dict = {}
-
-        def finish(record) -> dict:
-            return {
-                "record": record,
-                "stats": stats,
-                "timings": timings,
-                "versions": policy.versions,
-                "trace": {"prompt": task.prompt, "events": events, **trace},
-                "task_id": task.task_id,
-                "rollout_id": rollout_id,
-            }
-
-        def invalid(reason: str, turns: int = 0) -> dict:
-            return finish(
-                RolloutRecord(
-                    task_id=task.task_id,
-                    group=group_index,
-                    valid=False,
-                    reward=None,
-                    segments=policy.segments,
-                    status=f"infrastructure: {reason}",
-                    turns=turns,
-                    duration_s=time.monotonic() - started,
-                )
-            )
-
-        try:
-            sandbox = self._sandbox(task, fleet)
-        except (SandboxError, OSError) as error:
-            return invalid(f"sandbox creation failed: {error}")
-        timings["sandbox_s"] = time.monotonic() - started
-        try:
-            agent_started = time.monotonic()
-            try:
-                result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits)
-            except (SandboxError, OSError, RuntimeError) as error:
-                return invalid(f"{type(error).__name__}: {error}")
-            timings["agent_s"] = time.monotonic() - agent_started
-            events = result.events
-            trace.update(
-                status=result.status,
-                reason=result.reason,
-                final_message=result.final_message,
-                diff=result.diff,
-                messages=result.messages,
-                turns=result.turns,
-                prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens,
-                duration_s=result.duration_s,
-            )
-            stats = _tool_statistics(result.events)
-            if result.infrastructure_error:
-                return invalid(result.reason, result.turns)
-            reward_started = time.monotonic()
-            try:
-                reward = score_rollout(
-                    sandbox=sandbox,
-                    task=task,
-                    config=config.reward_config,
-                    edit_arguments=_edit_file_arguments(result.events),
-                )
-            except RewardInfrastructureError as error:
-                return invalid(str(error), result.turns)
-            timings["reward_s"] = time.monotonic() - reward_started
-            return finish(
-                RolloutRecord(
-                    task_id=task.task_id,
-                    group=group_index,
-                    valid=True,
-                    reward=reward.value,
-                    passed=reward.passed,
-                    tests_total=reward.tests_total,
-                    segments=policy.segments,
-                    status=f"{result.status}: {result.reason}",
-                    turns=result.turns,
-                    duration_s=time.monotonic() - started,
-                )
-            )
-        finally:
-            try:
-                sandbox.destroy()
-            except SandboxError as error:
-                logger.warning("could not destroy sandbox of %s: %s", rollout_id, error)
-
-
-def _edit_file_arguments(events: list[dict]) -> list[dict]:
-    """The parsed arguments of a rollout's edit_file calls, applied or rejected (unparseable ones skipped)."""
-    return [
-        event["payload"]["arguments"]
-        for event in events
-        if event["kind"] == "tool_call"
-        and event["payload"]["name"] == "edit_file"
-        and isinstance(event["payload"]["arguments"], dict)
-    ]
-
-
-# --------------------------------------------------------------------------------------- driver
 @dataclass
 class _RunState:
     version: int = 0
@@ -626,72 +94,8 @@ class _RunState:
     """Groups the scheduler abandoned after their probe, logged with the next update."""
 
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record, default=str) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _truncate_jsonl(path: Path, *, max_step: int) -> None:
-    """Drop log lines of steps after the checkpoint we resume from (they will be redone)."""
-    if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= max_step
-    ]
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text("".join(line + "\n" for line in kept))
-    os.replace(temporary, path)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def update_config_for(config: AsyncRLConfig) -> RLConfig:
-    """The RLConfig the trainer's update and optimizer read their settings from, matching this run's."""
-    from training.train.grpo import GRPOConfig
-    from training.train.loop import OptimizerConfig
-    from training.train.rl import RLConfig
-
-    return RLConfig(
-        run_dir=config.run_dir,
-        init_checkpoint=config.init_checkpoint,
-        tasks=config.tasks,
-        tasks_per_step=min(config.groups_per_step, config.tasks),
-        group_size=config.group_size,
-        steps=config.steps,
-        updates_per_step=config.updates_per_step,
-        temperature=config.temperature,
-        routing_replay=True,
-        grpo=GRPOConfig(
-            negative_advantage_weight=config.negative_advantage_weight,
-            entropy_coef=config.entropy_coef,
-            entropy_scope=config.entropy_scope,
-            kl_coef=config.kl_coef,
-            normalize_advantage_std=config.normalize_advantage_std,
-        ),
-        max_turns=config.max_turns,
-        max_tokens_per_turn=config.max_tokens_per_turn,
-        optimizer=OptimizerConfig(
-            lr=config.lr,
-            warmup_steps=config.warmup_steps,
-            weight_decay=0.0,
-            min_lr_ratio=config.min_lr_ratio,
-            decay_fraction=config.lr_decay_fraction,
-            gain_lr_scale=config.gain_lr_scale,
-        ),
-    )
 
 
 def run_async_rl(
@@ -745,14 +149,14 @@ def run_async_rl(
     else:
         torch.manual_seed(config.seed)
     for name in (METRICS_FILE, ROLLOUTS_FILE):
-        _truncate_jsonl(run_dir / name, max_step=state.version)
+        truncate_jsonl(run_dir / name, max_step=state.version)
 
     def budget_spent() -> bool:
         return budget_seconds is not None and training_seconds() >= budget_seconds
 
     if state.version >= config.steps or budget_spent():
         # Started again after the end (a resume, a relaunch): say so, so the monitor stops relaunching it.
-        _write_status(run_dir, {"state": "finished", "pid": os.getpid(), "version": state.version})
+        write_status(run_dir, {"state": "finished", "pid": os.getpid(), "version": state.version})
         return []
     reference_model = reference_model_load(update_config)
 
@@ -949,10 +353,10 @@ def run_async_rl(
         # which the resumed run truncates and then redoes, so no step or rollout is logged twice.
         (run_dir / TRACES_DIR).mkdir(exist_ok=True)
         for sample, row in zip([*samples, *abandoned_samples], rollout_rows, strict=True):
-            _write_json(trace_path(run_dir, row["rollout_id"]), sample.result["trace"])
+            write_json(trace_path(run_dir, row["rollout_id"]), sample.result["trace"])
         for row in rollout_rows:
-            _append_jsonl(run_dir / ROLLOUTS_FILE, row)
-        _append_jsonl(run_dir / METRICS_FILE, metrics)
+            append_jsonl(run_dir / ROLLOUTS_FILE, row)
+        append_jsonl(run_dir / METRICS_FILE, metrics)
         checkpoint_started = time.monotonic()
         save_train_checkpoint(
             run_dir=run_dir,
@@ -1034,7 +438,7 @@ def run_async_rl(
         on_group_abandoned=abandon_group,
         stop=stop,
     )
-    _write_status(
+    write_status(
         run_dir,
         {
             "state": "running",
@@ -1063,7 +467,7 @@ def run_async_rl(
     # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
     version = max(scheduler.version, state.version)
     finished = version >= config.steps or budget_spent()
-    _write_status(
+    write_status(
         run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
     )
     return history
@@ -1082,22 +486,6 @@ def _fleet_start(config: AsyncRLConfig):
     except SandboxError:
         return Fleet.start(fleet_config), True
 
-
-def _write_json(path: Path, data: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, default=str))
-    os.replace(temporary, path)
-
-
-def read_status(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / STATUS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _write_status(run_dir: Path, status: dict) -> None:
-    temporary = run_dir / (STATUS_FILE + ".tmp")
-    temporary.write_text(json.dumps({**status, "updated_at": time.time()}))
-    os.replace(temporary, run_dir / STATUS_FILE)
 
 
 def main(argv: list[str] | None = None) -> None:

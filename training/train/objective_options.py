@@ -1,7 +1,7 @@
 """Checks of the policy-objective options that both the GRPO loss and the launch form configure.
 
 Torch-free on purpose: `training.train.grpo.GRPOConfig` (which the learner builds) and
-`training.rollout.driver.AsyncRLConfig` (which the web process builds to validate a launch form,
+`training.rollout.config.AsyncRLConfig` (which the web process builds to validate a launch form,
 and must not pay a torch import for) both call `objective_options_problem`, so the bounds and their
 messages live in one place. Each message starts with the field name, which the launch form keys on.
 """
@@ -27,7 +27,7 @@ def objective_options_problem(
         return (
             f"entropy_coef={entropy_coef} must lie in (-1, 1): 0 leaves the entropy term out, < 0 sharpens the "
             "policy, > 0 keeps it exploring; the rewards differ by at most 1, so a larger weight lets the entropy "
-            "term alone decide the update (the runs in BENCHMARKS.md used -0.5 and 0.1)."
+            "term alone decide the update (the learning runs in docs/notebook/ used -0.5 and 0.1)."
         )
     if entropy_scope not in ENTROPY_SCOPES:
         return (

@@ -152,7 +152,7 @@ def dataclass_field_docs(cls: type) -> dict[str, str]:
 
 def experiment_form_fields() -> list[dict]:
     """name, type, default and help of every AsyncRLConfig field a user may set."""
-    from training.rollout.driver import AsyncRLConfig
+    from training.rollout.config import AsyncRLConfig
 
     docs = dataclass_field_docs(AsyncRLConfig)
     fields = []

@@ -68,7 +68,7 @@ def _checkpoint_from_choices(value: Any, *, owner) -> str:
 
 def _validated_config(config: dict[str, Any], *, run_dir: str, owner=None) -> dict[str, Any]:
     """The config as AsyncRLConfig accepts it, or a ValidationError naming the field to fix."""
-    from training.rollout.driver import AsyncRLConfig, AsyncRLConfigError
+    from training.rollout.config import AsyncRLConfig, AsyncRLConfigError
 
     if not isinstance(config, dict):
         raise ValidationError({"config": "the config must be a JSON object of AsyncRLConfig fields"})
@@ -239,7 +239,7 @@ def _rollout_trace_create(*, experiment: Experiment, row: dict, trace: dict):
 @transaction.atomic
 def experiment_ingest(*, experiment: Experiment) -> int:
     """Copy checkpointed steps, rollouts and checkpoints from the run directory; returns new steps."""
-    from training.rollout.driver import (
+    from training.rollout.run_dir import (
         METRICS_FILE,
         ROLLOUTS_FILE,
         checkpointed_version,
@@ -380,7 +380,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> bool:
 
 def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) -> str:
     """Start (or re-attach to) the experiment's driver and watch it until it ends or the slice is over."""
-    from training.rollout.driver import checkpointed_version, run_finished
+    from training.rollout.run_dir import checkpointed_version, run_finished
 
     experiment = Experiment.objects.get(pk=experiment_id)
     if experiment.status not in Experiment.ACTIVE:
