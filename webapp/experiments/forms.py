@@ -1,11 +1,15 @@
-"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help."""
+"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help,
+its range from webapp.experiments.validation (the same the API and the service enforce)."""
 
 from __future__ import annotations
 
 from django import forms
 from django.conf import settings
 
+from webapp.core.forms import bounded_number_field
+from webapp.core.validation import MAX_STRING_CHARS
 from webapp.experiments.selectors import experiment_form_fields
+from webapp.experiments.validation import experiment_config_bounds
 
 _FIELD_TYPES = {
     "int": forms.IntegerField,
@@ -16,10 +20,17 @@ _FIELD_TYPES = {
 
 class ExperimentForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="Shown in lists and on every trace of the run.")
+    share_with_team = forms.ModelChoiceField(
+        queryset=None, required=False, empty_label="— private —",
+        help_text="Teammates may view the experiment, its plots and rollouts; only you may pause, resume, cancel "
+                  "or evaluate it.",
+    )
 
-    def __init__(self, *args, initial_config: dict | None = None, **kwargs) -> None:
+    def __init__(self, *args, user, initial_config: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.fields["share_with_team"].queryset = user.teams.all()
         initial_config = initial_config or {}
+        bounds = experiment_config_bounds()
         for spec in experiment_form_fields():
             field_class = _FIELD_TYPES.get(spec["type"].replace(" | None", ""), forms.CharField)
             default = initial_config.get(spec["name"], spec["default"])
@@ -33,11 +44,16 @@ class ExperimentForm(forms.Form):
                 or spec["type"].endswith("| None")
             ):
                 options["required"] = False
-            self.fields[spec["name"]] = field_class(**options)
+            if field_class is forms.CharField:
+                options["max_length"] = MAX_STRING_CHARS
+            if field_class in (forms.IntegerField, forms.FloatField):
+                self.fields[spec["name"]] = bounded_number_field(field_class, bounds.get(spec["name"]), **options)
+            else:
+                self.fields[spec["name"]] = field_class(**options)
 
     def config(self) -> dict:
-        """The cleaned config fields (without the name), for experiment_create."""
-        values = {key: value for key, value in self.cleaned_data.items() if key != "name"}
+        """The cleaned config fields (without the name and the sharing), for experiment_create."""
+        values = {key: value for key, value in self.cleaned_data.items() if key not in ("name", "share_with_team")}
         return {key: value for key, value in values.items() if value is not None and value != ""}
 
 
