@@ -36,10 +36,9 @@ class TeamNameField(serializers.CharField):
                          **kwargs)
 
     def run_validation(self, data=serializers.empty):
-        return super().run_validation(data) or None  # blank: not shared
-
-    def to_internal_value(self, data):
-        name = super().to_internal_value(data).strip()
+        name = (super().run_validation(data) or "").strip()  # the string, checked (length, NUL characters)
+        if not name:
+            return None  # not shared
         team = self.context["request"].user.teams.filter(name=name).first()
         if team is None:
             raise serializers.ValidationError(f"you are not a member of a team named '{name}'")

@@ -21,7 +21,6 @@ from webapp.core.forms import form_add_service_error
 from webapp.core.selectors import owned_get_for_change
 from webapp.core.validation import Range, number_check, text_check
 
-
 TASK_FORM_FIELD_NAMES = {"team": "share_with_team", "policy_options": "step_delay_s"}
 """task_create's argument names that the submission form calls differently."""
 

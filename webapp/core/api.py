@@ -30,6 +30,7 @@ from rest_framework.views import set_rollback
 
 from webapp.core.validation import CONFLICT, Range, query_integer
 
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):

@@ -19,7 +19,6 @@ from urllib.parse import urlparse
 from django.conf import settings
 from django.db import connections
 
-
 _in_flight: dict[str, tuple[threading.Thread, float]] = {}
 _in_flight_lock = threading.Lock()
 

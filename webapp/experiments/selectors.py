@@ -14,7 +14,6 @@ from webapp.core.selectors import owned_get_for_change, owned_get_visible, owned
 from webapp.experiments.models import BenchmarkRun, Experiment, ExperimentRollout, ExperimentStep
 from webapp.experiments.validation import SERVER_CONTROLLED_FIELDS
 
-
 DASHBOARD_SERIES = (
     ("mean_reward", "Reward"),
     ("pass_rate", "Pass rate"),

@@ -26,6 +26,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
+from webapp.core.validation import CONFLICT
 from webapp.experiments.models import (
     BenchmarkRun,
     BenchmarkTaskResult,
@@ -35,7 +36,6 @@ from webapp.experiments.models import (
     ExperimentStep,
     RepositoryRecipe,
 )
-from webapp.core.validation import CONFLICT
 from webapp.experiments.selectors import experiment_group_name
 from webapp.experiments.validation import experiment_config_check
 
