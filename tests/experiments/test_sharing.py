@@ -70,7 +70,7 @@ def shared(owner, team, api_client_for, policy_checkpoint, state_dir, django_cap
     assert response.json()["team"] == team.name and response.json()["owner"] == owner.username
     experiment = Experiment.objects.get(pk=response.json()["id"])
     group_id = _ingest_one_step(experiment)
-    checkpoint = ExperimentCheckpoint.objects.create(experiment=experiment, step=1, path=policy_checkpoint)
+    checkpoint = ExperimentCheckpoint.objects.get(experiment=experiment, step=1)  # ingested with the step
     return experiment, group_id, checkpoint
 
 
