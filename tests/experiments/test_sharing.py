@@ -237,3 +237,7 @@ async def test_websocket_teammates_watch_outsiders_are_refused(owner, teammate, 
     for user, code in ((outsider, 4404), (AnonymousUser(), 4401)):
         viewer, (connected, close_code) = await _connect(experiment.pk, user)
         assert not connected and close_code == code
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()  # the sync thread's connection, or the test database stays in use
