@@ -1,15 +1,17 @@
-"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help,
-its range from webapp.experiments.validation (the same the API and the service enforce)."""
+"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help.
+
+Django's number fields refuse what is not a finite number (NaN, Infinity, 1e309) or not an integer (1.5);
+ranges are checked by the service (webapp.experiments.validation, after AsyncRLConfig's own rules, whose
+messages explain them), and the form shows each error next to its field.
+"""
 
 from __future__ import annotations
 
 from django import forms
 from django.conf import settings
 
-from webapp.core.forms import bounded_number_field
 from webapp.core.validation import MAX_STRING_CHARS
 from webapp.experiments.selectors import experiment_form_fields
-from webapp.experiments.validation import experiment_config_bounds
 
 _FIELD_TYPES = {
     "int": forms.IntegerField,
@@ -30,7 +32,6 @@ class ExperimentForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["share_with_team"].queryset = user.teams.all()
         initial_config = initial_config or {}
-        bounds = experiment_config_bounds()
         for spec in experiment_form_fields():
             field_class = _FIELD_TYPES.get(spec["type"].replace(" | None", ""), forms.CharField)
             default = initial_config.get(spec["name"], spec["default"])
@@ -46,10 +47,7 @@ class ExperimentForm(forms.Form):
                 options["required"] = False
             if field_class is forms.CharField:
                 options["max_length"] = MAX_STRING_CHARS
-            if field_class in (forms.IntegerField, forms.FloatField):
-                self.fields[spec["name"]] = bounded_number_field(field_class, bounds.get(spec["name"]), **options)
-            else:
-                self.fields[spec["name"]] = field_class(**options)
+            self.fields[spec["name"]] = field_class(**options)
 
     def config(self) -> dict:
         """The cleaned config fields (without the name and the sharing), for experiment_create."""
