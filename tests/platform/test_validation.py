@@ -297,3 +297,38 @@ def test_service_errors_are_keyed_by_field_for_forms():
     plain.is_valid()
     form_add_service_error(plain, ValidationError("the experiment is already finished"))
     assert plain.non_field_errors() == ["the experiment is already finished"]
+
+
+# --- other inputs -------------------------------------------------------------------------------
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("extra", "param"), [
+    (', "temperature": NaN', None), (', "temperature": 1e309', None), (', "seed": 1000000000000000000000000000000', "seed"),
+    (', "max_tokens": 1.5', "max_tokens"), (', "max_tokens": 1000000000000', "max_tokens"), (', "top_p": true', "top_p"),
+])
+def test_openai_endpoint_refuses_bad_numbers(client, owner, extra, param):
+    from webapp.accounts.services import api_token_get_or_create
+
+    body = '{"model": "flowstate", "messages": [{"role": "user", "content": "hi"}]' + extra + "}"
+    response = client.post("/v1/chat/completions", body, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {api_token_get_or_create(user=owner)}")
+    assert response.status_code == 400, response.content
+    if param:
+        assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.django_db
+def test_lookups_with_absurd_values_are_not_found_rather_than_errors(client, owner, api_client_for):
+    api = api_client_for(owner)
+    huge = "9" * 30
+    assert api.get(f"/api/tasks/{huge}/").status_code == 404
+    assert api.get(f"/api/experiments/{huge}/").status_code == 404
+    assert api.post(f"/api/experiments/{huge}/cancel/").status_code == 404
+    assert api.get("/api/benchmarks/?suite=a%00b").status_code == 400
+    client.force_login(owner)
+    assert client.get(f"/experiments/{huge}/").status_code == 404
+    assert client.get("/experiments/benchmarks/?suite=a%00b").status_code == 200
+    assert client.get(f"/tasks/traces/compare/?a={huge}&b=1").status_code == 404
+    assert client.get(f"/tasks/traces/?page={huge}").status_code == 200
+    experiment = Experiment.objects.create(owner=owner, name="e", config={})
+    assert client.get(f"/experiments/{experiment.pk}/groups/a%00b/").status_code == 404

@@ -206,8 +206,12 @@ def test_experiment_form_never_fails(client, owner, policy_checkpoint, data, val
 @PROPERTY
 @given(params=st.dictionaries(
     st.sampled_from(["status", "source", "model", "repository", "experiment", "tool", "reward_min", "reward_max",
-                     "date_from", "date_to", "q", "limit", "offset", "page"]), _form_text, max_size=4))
+                     "date_from", "date_to", "q", "limit", "offset", "page", "suite", "window_s"]), _form_text,
+    max_size=4))
 def test_list_query_parameters_never_fail(client, owner, api_client_for, params):
-    assert api_client_for(owner).get("/api/tasks/", params).status_code in (200, 400)
+    api = api_client_for(owner)
+    for path in ("/api/tasks/", "/api/benchmarks/", "/api/fleet/"):
+        assert api.get(path, params).status_code in (200, 400), path
     client.force_login(owner)
-    assert client.get("/tasks/traces/", params).status_code == 200
+    for path in ("/tasks/traces/", "/experiments/benchmarks/"):
+        assert client.get(path, params).status_code == 200, path

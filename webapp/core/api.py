@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import codecs
-import json
-import math
-from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -28,23 +25,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 from rest_framework.views import set_rollback
 
-from webapp.core.validation import CONFLICT, Range, query_integer
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is too large for a 64-bit float")
-    return value
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number; JSON numbers are finite")
-
-
-def finite_json_loads(text: str | bytes) -> Any:
-    """json.loads that refuses NaN, Infinity and overflowing numbers (ValueError)."""
-    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+from webapp.core.validation import CONFLICT, Range, finite_json_loads, query_integer
 
 
 class FiniteJSONParser(JSONParser):

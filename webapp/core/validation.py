@@ -9,6 +9,7 @@ settings. A bad value is refused with a message naming the field, never a 500.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -158,6 +159,22 @@ def ranges_check(values: Mapping[str, Any], *, bounds: Mapping[str, Range]) -> N
     }
     if errors:
         raise ValidationError(errors)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large for a 64-bit float")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number; JSON numbers are finite")
+
+
+def finite_json_loads(text: str | bytes) -> Any:
+    """json.loads that refuses NaN, Infinity and overflowing numbers (ValueError)."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
 
 
 def query_integer(params: Mapping[str, str], name: str, *, default: int, bounds: Range) -> int:

@@ -14,6 +14,7 @@ from rest_framework.views import APIView
 
 from webapp.agents.api import TeamNameField
 from webapp.core.api import InputSerializer, TypedConfigField
+from webapp.core.validation import text_check
 from webapp.experiments import services
 from webapp.experiments.models import BenchmarkRun, Experiment
 from webapp.experiments.selectors import (
@@ -120,5 +121,9 @@ class BenchmarkLeaderboardApi(APIView):
         summary="Finished benchmark runs, best pass@1 first", responses={200: BenchmarkRunOutput(many=True)}
     )
     def get(self, request):
-        runs = benchmark_leaderboard(user=request.user, suite=request.query_params.get("suite") or None)
+        try:
+            suite = text_check("suite", request.query_params.get("suite") or "", max_chars=100) or None
+        except ValueError as exc:
+            raise ValidationError({"suite": [str(exc)]}) from None
+        runs = benchmark_leaderboard(user=request.user, suite=suite)
         return Response(BenchmarkRunOutput(runs, many=True).data)

@@ -10,6 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from webapp.core.forms import form_add_service_error
+from webapp.core.validation import text_check
 from webapp.experiments import services
 from webapp.experiments.forms import EvaluateForm, ExperimentForm
 from webapp.experiments.models import ExperimentCheckpoint
@@ -127,6 +128,8 @@ def experiment_cancel_view(request, pk: int):
 @login_required
 def experiment_group_view(request, pk: int, group_id: str):
     experiment = experiment_get(user=request.user, pk=pk)
+    if "\x00" in group_id:  # no group id holds one, and PostgreSQL refuses it in a query
+        raise Http404
     rollouts = experiment_group_rollouts(experiment=experiment, group_id=group_id)
     if not rollouts:
         raise Http404
@@ -171,7 +174,11 @@ def checkpoint_evaluate_view(request, pk: int, checkpoint_pk: int):
 
 @login_required
 def benchmark_leaderboard_view(request):
-    suite = request.GET.get("suite") or None
+    try:
+        suite = text_check("suite", request.GET.get("suite") or "", max_chars=100) or None
+    except ValueError as exc:
+        messages.error(request, str(exc))
+        suite = None
     return render(
         request,
         "experiments/leaderboard.html",
