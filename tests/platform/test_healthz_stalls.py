@@ -52,37 +52,42 @@ def own_redis(tmp_path):
         proc.wait(timeout=10)
 
 
+def _wait_until_ok(client, check: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    report = {}
+    while time.monotonic() < deadline:
+        report = client.get("/healthz").json()
+        if report["checks"][check]["ok"]:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{check} never reported ok: {report['checks'][check]}")
+
+
 def _timed_get(client):
     started = time.monotonic()
     response = client.get("/healthz")
     return response, time.monotonic() - started
 
 
-def test_a_stopped_redis_is_named_within_two_seconds(client, settings, own_redis):
+def test_a_stopped_redis_is_named_within_two_seconds(client, settings, own_redis, record_property):
     proc, url = own_redis
     settings.REDIS_URL = url
     settings.CELERY_BROKER_URL = url
-    response, elapsed = _timed_get(client)
-    assert response.json()["checks"]["redis"]["ok"] is True  # the probe really talks to this server
+    _wait_until_ok(client, "redis")  # the probe really talks to this server (the first call also imports)
     os.kill(proc.pid, signal.SIGSTOP)
-    for _ in range(2):  # the second request finds the first one's probes still waiting, and says so
+    for attempt in range(2):  # the second request may find the first one's probes still waiting, and says so
         response, elapsed = _timed_get(client)
+        record_property(f"healthz_s_redis_stopped_{attempt}", round(elapsed, 3))
         report = response.json()
         assert elapsed < 2.0, elapsed
         assert response.status_code == 200  # pages can still be served: only the database is fatal
         assert {"redis", "celery"} <= set(report["down"]) and report["checks"]["database"]["ok"] is True
         assert report["checks"]["redis"]["ok"] is False
     os.kill(proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        report = client.get("/healthz").json()
-        if report["checks"]["redis"]["ok"]:
-            break
-        time.sleep(0.3)
-    assert report["checks"]["redis"]["ok"] is True  # recovers once the server answers again
+    _wait_until_ok(client, "redis")  # recovers once the server answers again
 
 
-def test_a_locked_database_is_named_within_two_seconds(client, settings):
+def test_a_locked_database_is_named_within_two_seconds(client, settings, record_property):
     if connection.vendor != "postgresql":
         pytest.skip("the lock used here is PostgreSQL's (SQLite readers are not blocked by a writer in WAL mode)")
     locked, release = threading.Event(), threading.Event()
@@ -105,6 +110,7 @@ def test_a_locked_database_is_named_within_two_seconds(client, settings):
     assert locked.wait(10)
     try:
         response, elapsed = _timed_get(client)
+        record_property("healthz_s_database_locked", round(elapsed, 3))
         report = response.json()
         assert elapsed < 2.0, elapsed
         assert response.status_code == 503 and "database" in report["down"]
@@ -112,7 +118,4 @@ def test_a_locked_database_is_named_within_two_seconds(client, settings):
     finally:
         release.set()
         holder.join(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and client.get("/healthz").status_code != 200:
-        time.sleep(0.3)
-    assert client.get("/healthz").json()["checks"]["database"]["ok"] is True
+    _wait_until_ok(client, "database")
