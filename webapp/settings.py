@@ -188,6 +188,17 @@ AGENT_MAX_ATTEMPTS = env_int("AGENT_MAX_ATTEMPTS", 2, minimum=1)
 # Where workers reach this server's /v1 endpoint for the built-in model; empty: the submitting request's host.
 AGENT_BUILTIN_BASE_URL = env_optional("AGENT_BUILTIN_BASE_URL")
 AGENT_BUILTIN_MODEL_NAME = env_str("AGENT_BUILTIN_MODEL_NAME", "flowstate")
+# Upper bounds of user input (webapp.core.validation): forms, API and services refuse more, naming the field.
+AGENT_MAX_TURNS = env_int("AGENT_MAX_TURNS", 500, minimum=1)
+AGENT_MAX_TOKENS = env_int("AGENT_MAX_TOKENS", 10_000_000, minimum=16)
+AGENT_MAX_CONTEXT_TOKENS = env_int("AGENT_MAX_CONTEXT_TOKENS", 1_048_576, minimum=256)
+AGENT_MAX_WALL_TIME_S = env_int("AGENT_MAX_WALL_TIME_S", 86_400, minimum=10)
+EXPERIMENT_MAX_STEPS = env_int("EXPERIMENT_MAX_STEPS", 1_000_000, minimum=1, maximum=2**31 - 1)
+EXPERIMENT_MAX_WORKERS = env_int("EXPERIMENT_MAX_WORKERS", 1024, minimum=1)
+API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1)
+API_MAX_OFFSET = env_int("API_MAX_OFFSET", 1_000_000_000, minimum=0, maximum=2**62)
+HEALTHZ_PROBE_TIMEOUT_S = 1.5
+"""/healthz waits this long for each dependency (all at once), so it answers within 2 s when one stalls."""
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_UPLOAD_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
@@ -214,7 +225,13 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "webapp.core.api.BoundedLimitOffsetPagination",
+    "DEFAULT_PARSER_CLASSES": [
+        "webapp.core.api.FiniteJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "EXCEPTION_HANDLER": "webapp.core.api.exception_handler",
     "PAGE_SIZE": 50,
 }
 SPECTACULAR_SETTINGS = {

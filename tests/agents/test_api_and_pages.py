@@ -44,7 +44,7 @@ def test_api_submit_validates_and_creates(owner, demo_repository, api_client_for
     assert response.json() == {"repository_id": ["no repository with this id is visible to you"]}
     response = api.post("/api/tasks/", {"prompt": "x", "backend": "scripted", "repository_id": demo_repository.pk,
                                         "limits": {"max_turns": 0}}, format="json")
-    assert "max_turns must be a positive integer" in response.json()["limits"][0]
+    assert "max_turns must be a positive integer" in response.json()["limits"]["max_turns"][0]
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         response = api.post("/api/tasks/", {"prompt": "Fix it", "backend": "scripted", "repository_id": demo_repository.pk,
                                             "limits": {"max_turns": 12}, "policy_options": {"step_delay_s": 0.1}}, format="json")
@@ -69,7 +69,7 @@ def test_api_archive_upload_multipart(owner, api_client_for, settings, tmp_path)
     response = api.post("/api/tasks/", {"prompt": "x", "backend": "scripted", "archive": upload,
                                         "limits": '{"max_turns": 3}'}, format="multipart")
     assert response.status_code == 201, response.json()
-    assert response.json()["repository"] == "repo.zip"
+    assert response.json()["repository_label"] == "repo.zip" and response.json()["repository_id"] is None
 
 
 def test_visibility_of_tasks_for_owner_teammate_outsider(finished_task, private_task, owner, teammate, outsider, api_client_for):

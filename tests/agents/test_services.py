@@ -56,7 +56,7 @@ def test_submission_errors_say_what_is_wrong(owner, demo_repository, settings, t
     assert "max_turns must be a positive integer" in error.value.message_dict["limits"][0]
     with pytest.raises(ValidationError) as error:
         _create(owner, demo_repository, policy_options={"temperature": 3})
-    assert "unknown option(s) for backend scripted: temperature" in error.value.message_dict["policy_options"][0]
+    assert "unknown option 'temperature' for backend scripted" in error.value.message_dict["policy_options"][0]
     with pytest.raises(ValidationError) as error:
         _create(owner, demo_repository, backend="openai")
     assert "base URL" in error.value.message_dict["base_url"][0]

@@ -461,7 +461,7 @@ def test_api_launch_list_and_control(
     assert api_client_for(outsider).post(f"/api/experiments/{pk}/cancel/").status_code == 404
     assert api.post(f"/api/experiments/{pk}/explode/").status_code == 400
     assert api.post(f"/api/experiments/{pk}/cancel/").json()["status"] == "cancelled"
-    assert api.post(f"/api/experiments/{pk}/pause/").status_code == 400
+    assert api.post(f"/api/experiments/{pk}/pause/").status_code == 409  # the state forbids it, not the input
     assert api.get(f"/api/experiments/{pk}/").json()["steps"] == []
 
 

@@ -1,45 +1,72 @@
-"""REST API of the agents app: parse input, call one service or selector, format the output."""
+"""REST API of the agents app: parse input, call one service or selector, format the output.
+
+Field names are the same both ways: ``repository_id`` is a registered repository's id in a submission
+and in a task (``repository_label`` is what the task shows: a repository's name, a git URL's last
+part or an archive's file name); ``team`` is the name of the team an object is shared with. Unknown
+input fields are refused by name; ``share_with_team`` is still accepted as the old name of ``team``.
+Services' ValidationErrors become 400/409 responses in webapp.core.api.exception_handler.
+"""
 
 from __future__ import annotations
 
-import json
-
-from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404, HttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.agents import selectors, services
 from webapp.agents.models import AgentTask, Repository, TaskEvent
+from webapp.agents.validation import agent_limits_check, policy_options_check
 from webapp.agents.views import builtin_base_url_for, task_filters_from
+from webapp.core.api import BoundedLimitOffsetPagination, InputSerializer, TypedConfigField
+from webapp.core.validation import Range, query_integer
+
+EVENT_SEQ_RANGE = Range(-1, 2**31 - 1)
+EVENT_PAGE_RANGE = Range(1, 2000)
 
 
-def _drf_error(exc: DjangoValidationError) -> ValidationError:
-    return ValidationError(exc.message_dict if hasattr(exc, "error_dict") else {"detail": exc.messages})
+class TeamNameField(serializers.CharField):
+    """The name of one of the requesting user's teams, as the Team (blank: not shared)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(required=False, allow_blank=True, max_length=150,
+                         help_text="Name of one of your teams to share with (teammates may view, not change).",
+                         **kwargs)
+
+    def run_validation(self, data=serializers.empty):
+        name = (super().run_validation(data) or "").strip()  # the string, checked (length, NUL characters)
+        if not name:
+            return None  # not shared
+        team = self.context["request"].user.teams.filter(name=name).first()
+        if team is None:
+            raise serializers.ValidationError(f"you are not a member of a team named '{name}'")
+        return team
 
 
 class RepositoryOutput(serializers.ModelSerializer):
+    team = serializers.CharField(source="team.name", default=None)
+
     class Meta:
         model = Repository
-        fields = ("id", "name", "kind", "location", "ref", "description", "created_at")
+        fields = ("id", "name", "kind", "location", "ref", "description", "team", "created_at")
 
 
-class RepositoryInput(serializers.Serializer):
+class RepositoryInput(InputSerializer):
     name = serializers.CharField(max_length=120)
     kind = serializers.ChoiceField(choices=["git", "archive"])
-    location = serializers.CharField(required=False, allow_blank=True, help_text="Git URL (kind=git).")
-    ref = serializers.CharField(required=False, allow_blank=True)
-    description = serializers.CharField(required=False, allow_blank=True)
+    location = serializers.CharField(required=False, allow_blank=True, max_length=1000, help_text="Git URL (kind=git).")
+    ref = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True, max_length=20000)
     archive = serializers.FileField(required=False, help_text=".tar.gz, .tgz, .tar or .zip (kind=archive).")
+    team = TeamNameField()
 
 
 class TaskOutput(serializers.ModelSerializer):
-    repository = serializers.CharField(source="repo_label")
+    repository_label = serializers.CharField(source="repo_label")
     owner = serializers.CharField(source="owner.username")
+    team = serializers.CharField(source="team.name", default=None)
     events_url = serializers.SerializerMethodField()
     patch_url = serializers.SerializerMethodField()
     websocket_path = serializers.SerializerMethodField()
@@ -47,9 +74,9 @@ class TaskOutput(serializers.ModelSerializer):
     class Meta:
         model = AgentTask
         fields = (
-            "id", "public_id", "source", "owner", "repository", "repo_kind", "prompt", "backend", "model_name",
-            "limits", "policy_options", "status", "status_reason", "attempt", "last_seq", "created_at",
-            "started_at", "finished_at", "final_message", "turns", "prompt_tokens", "completion_tokens",
+            "id", "public_id", "source", "owner", "team", "repository_id", "repository_label", "repo_kind", "prompt",
+            "backend", "model_name", "limits", "policy_options", "status", "status_reason", "attempt", "last_seq",
+            "created_at", "started_at", "finished_at", "final_message", "turns", "prompt_tokens", "completion_tokens",
             "experiment_name", "training_step", "reward", "advantage", "events_url", "patch_url", "websocket_path",
         )
 
@@ -63,33 +90,35 @@ class TaskOutput(serializers.ModelSerializer):
         return f"/ws/tasks/{task.pk}/events/"
 
 
-class JSONObjectField(serializers.JSONField):
-    """A JSON object given as JSON (application/json) or as a JSON string (multipart forms)."""
+class TaskInput(InputSerializer):
+    aliases = {"share_with_team": "team"}
 
-    def to_internal_value(self, data):
-        if isinstance(data, str):
-            try:
-                data = json.loads(data) if data.strip() else {}
-            except ValueError as exc:
-                raise serializers.ValidationError(f"not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise serializers.ValidationError("must be a JSON object")
-        return data
-
-
-class TaskInput(serializers.Serializer):
     prompt = serializers.CharField(max_length=20000)
     backend = serializers.ChoiceField(choices=AgentTask.Backend.values)
-    repository_id = serializers.IntegerField(required=False, help_text="A registered repository you may see.")
-    git_url = serializers.CharField(required=False, allow_blank=True)
-    git_ref = serializers.CharField(required=False, allow_blank=True)
+    repository_id = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1,
+                                             help_text="A registered repository you may see.")
+    git_url = serializers.CharField(required=False, allow_blank=True, max_length=1000)
+    git_ref = serializers.CharField(required=False, allow_blank=True, max_length=200)
     archive = serializers.FileField(required=False, help_text="Upload instead of a repository or git URL.")
-    model_name = serializers.CharField(required=False, allow_blank=True, help_text="backend=openai only.")
-    base_url = serializers.CharField(required=False, allow_blank=True, help_text="backend=openai only.")
-    api_key = serializers.CharField(required=False, allow_blank=True, write_only=True, help_text="backend=openai only; never returned.")
-    limits = JSONObjectField(required=False, help_text="AgentLimits fields, e.g. {\"max_turns\": 20}.")
-    policy_options = JSONObjectField(required=False, help_text="scripted: {\"step_delay_s\": 0.5}; others: {\"seed\": 1}.")
-    share_with_team = serializers.CharField(required=False, allow_blank=True, help_text="Name of one of your teams.")
+    model_name = serializers.CharField(required=False, allow_blank=True, max_length=200, help_text="backend=openai only.")
+    base_url = serializers.CharField(required=False, allow_blank=True, max_length=500, help_text="backend=openai only.")
+    api_key = serializers.CharField(required=False, allow_blank=True, write_only=True, max_length=500,
+                                    help_text="backend=openai only; never returned.")
+    limits = TypedConfigField(check=agent_limits_check, required=False,
+                              help_text="AgentLimits fields, e.g. {\"max_turns\": 20}.")
+    policy_options = TypedConfigField(check=dict, required=False,
+                                      help_text="scripted: {\"step_delay_s\": 0.5}; others: {\"seed\": 1}.")
+    team = TeamNameField()
+
+    def unknown_field_message(self, name: str) -> str:
+        if name == "repository":
+            return "unknown field; give repository_id, the id of a registered repository (GET /api/repositories/)"
+        return super().unknown_field_message(name)
+
+    def validate(self, attrs):
+        if "policy_options" in attrs:  # its allowed keys depend on the backend
+            attrs["policy_options"] = policy_options_check(backend=attrs["backend"], options=attrs["policy_options"])
+        return attrs
 
 
 class EventOutput(serializers.Serializer):
@@ -102,36 +131,20 @@ class EventOutput(serializers.Serializer):
     has_full_output = serializers.BooleanField()
 
 
-def _team_for(user, name: str):
-    if not name:
-        return None
-    team = user.teams.filter(name=name).first()
-    if team is None:
-        raise ValidationError({"share_with_team": [f"you are not a member of a team named '{name}'"]})
-    return team
-
-
 class RepositoryListApi(APIView):
-    parser_classes = (JSONParser, MultiPartParser, FormParser)
-
     @extend_schema(responses=RepositoryOutput(many=True), summary="Repositories you may use")
     def get(self, request):
         return Response(RepositoryOutput(selectors.repository_list(user=request.user), many=True).data)
 
     @extend_schema(request=RepositoryInput, responses={201: RepositoryOutput}, summary="Register a repository")
     def post(self, request):
-        data = RepositoryInput(data=request.data)
+        data = RepositoryInput(data=request.data, context={"request": request})
         data.is_valid(raise_exception=True)
-        try:
-            repo = services.repository_create(owner=request.user, **data.validated_data)
-        except DjangoValidationError as exc:
-            raise _drf_error(exc) from exc
+        repo = services.repository_create(owner=request.user, **data.validated_data)
         return Response(RepositoryOutput(repo).data, status=status.HTTP_201_CREATED)
 
 
 class TaskListApi(APIView):
-    parser_classes = (JSONParser, MultiPartParser, FormParser)
-
     @extend_schema(
         responses=TaskOutput(many=True), summary="Tasks and rollouts you may see",
         parameters=[OpenApiParameter(name, str, required=False) for name in
@@ -144,15 +157,13 @@ class TaskListApi(APIView):
         except ValueError as exc:
             raise ValidationError({"detail": str(exc)}) from exc
         tasks = selectors.task_list(user=request.user, **filters)
-        from rest_framework.pagination import LimitOffsetPagination
-
-        paginator = LimitOffsetPagination()
+        paginator = BoundedLimitOffsetPagination()
         page = paginator.paginate_queryset(tasks, request, view=self)
         return paginator.get_paginated_response(TaskOutput(page, many=True).data)
 
     @extend_schema(request=TaskInput, responses={201: TaskOutput}, summary="Submit a coding task")
     def post(self, request):
-        data = TaskInput(data=request.data)
+        data = TaskInput(data=request.data, context={"request": request})
         data.is_valid(raise_exception=True)
         values = dict(data.validated_data)
         repository = None
@@ -161,12 +172,8 @@ class TaskListApi(APIView):
                 repository = selectors.repository_get(user=request.user, pk=values.pop("repository_id"))
             except Http404:
                 raise ValidationError({"repository_id": ["no repository with this id is visible to you"]}) from None
-        team = _team_for(request.user, values.pop("share_with_team", ""))
-        try:
-            task = services.task_create(owner=request.user, repository=repository, team=team,
-                                        builtin_base_url=builtin_base_url_for(request), **values)
-        except DjangoValidationError as exc:
-            raise _drf_error(exc) from exc
+        task = services.task_create(owner=request.user, repository=repository,
+                                    builtin_base_url=builtin_base_url_for(request), **values)
         return Response(TaskOutput(task).data, status=status.HTTP_201_CREATED)
 
 
@@ -182,10 +189,7 @@ class TaskCancelApi(APIView):
         from webapp.core.selectors import owned_get_for_change
 
         task = owned_get_for_change(queryset=AgentTask.objects.all(), user=request.user, pk=pk)
-        try:
-            task = services.task_cancel(task=task, user=request.user)
-        except DjangoValidationError as exc:
-            return Response(exc.message_dict, status=status.HTTP_409_CONFLICT)
+        task = services.task_cancel(task=task, user=request.user)  # a finished task: 409 (exception handler)
         return Response(TaskOutput(task).data)
 
 
@@ -197,10 +201,10 @@ class TaskEventsApi(APIView):
     def get(self, request, pk: int):
         task = selectors.task_get(user=request.user, pk=pk)
         try:
-            after = int(request.query_params.get("after", -1))
-            limit = min(max(int(request.query_params.get("limit", 500)), 1), 2000)
-        except ValueError:
-            raise ValidationError({"detail": "after and limit must be integers"}) from None
+            after = query_integer(request.query_params, "after", default=-1, bounds=EVENT_SEQ_RANGE)
+            limit = query_integer(request.query_params, "limit", default=500, bounds=EVENT_PAGE_RANGE)
+        except ValueError as exc:
+            raise ValidationError({str(exc).split(" ", 1)[0]: [str(exc)]}) from None
         events = selectors.task_events_after(task=task, after=after, limit=limit)
         return Response([selectors.event_to_wire(event=e) for e in events])
 

@@ -6,6 +6,8 @@ from django import forms
 
 from webapp.agents.models import AgentTask
 from webapp.agents.selectors import repository_list
+from webapp.agents.validation import STEP_DELAY_RANGE, agent_limit_bounds
+from webapp.core.forms import bounded_number_field
 
 
 class TaskSubmitForm(forms.Form):
@@ -18,15 +20,21 @@ class TaskSubmitForm(forms.Form):
     model_name = forms.CharField(required=False, help_text="OpenAI-compatible backend only")
     base_url = forms.CharField(required=False, label="Base URL", help_text="OpenAI-compatible backend only, e.g. https://api.openai.com/v1")
     api_key = forms.CharField(required=False, label="API key", widget=forms.PasswordInput(render_value=False))
-    max_turns = forms.IntegerField(min_value=1, max_value=500, initial=30)
-    max_tokens = forms.IntegerField(min_value=16, max_value=10_000_000, initial=100_000, label="Max completion tokens")
-    wall_time_s = forms.IntegerField(min_value=10, max_value=86_400, initial=1800, label="Wall time (s)")
-    step_delay_s = forms.FloatField(min_value=0, max_value=60, initial=1.0, required=False,
-                                    label="Scripted step delay (s)", help_text="Scripted expert only: pause per step so you can watch")
+    # Ranges: the same as the API's and the service's (webapp.agents.validation), set in __init__ from settings.
+    max_turns = forms.IntegerField(initial=30)
+    max_tokens = forms.IntegerField(initial=100_000, label="Max completion tokens")
+    wall_time_s = forms.IntegerField(initial=1800, label="Wall time (s)")
+    step_delay_s = forms.FloatField(min_value=STEP_DELAY_RANGE.minimum, max_value=STEP_DELAY_RANGE.maximum, initial=1.0,
+                                    required=False, label="Scripted step delay (s)",
+                                    help_text="Scripted expert only: pause per step so you can watch")
     share_with_team = forms.ModelChoiceField(queryset=None, required=False, empty_label="— private —")
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
+        bounds = agent_limit_bounds()
+        for name, minimum in (("max_turns", 1), ("max_tokens", 16), ("wall_time_s", 10)):
+            self.fields[name] = bounded_number_field(forms.IntegerField, bounds[name], min_value=minimum,
+                                                     initial=self.fields[name].initial, label=self.fields[name].label)
         self.fields["repository"].queryset = repository_list(user=user)
         self.fields["share_with_team"].queryset = user.teams.all()
         repositories = list(self.fields["repository"].queryset[:2])

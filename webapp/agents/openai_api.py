@@ -21,6 +21,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from rest_framework.authtoken.models import Token
 
+from webapp.core.validation import Range, finite_json_loads, integer_check, number_check
+
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> JsonResponse:
@@ -50,8 +52,8 @@ def _chat_model():
 
 def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | None]:
     try:
-        data = json.loads(body or b"{}")
-    except ValueError as exc:
+        data = finite_json_loads(body or b"{}")
+    except (ValueError, RecursionError) as exc:
         return None, _error(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(data, dict):
         return None, _error(400, "the request body must be a JSON object")
@@ -67,15 +69,16 @@ def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | N
         return None, _error(400, "tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", param="tools")
     if data.get("n", 1) != 1:
         return None, _error(400, "only n=1 is supported", param="n")
-    checks = (("max_tokens", int, 1, None), ("max_completion_tokens", int, 1, None), ("temperature", (int, float), 0, 2),
-              ("top_p", (int, float), 0, 1), ("seed", int, None, None))
-    for name, kind, low, high in checks:
-        value = data.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kind) or (low is not None and value < low) or (high is not None and value > high):
-            bounds = f" in [{low}, {high}]" if high is not None else (f" >= {low}" if low is not None else "")
-            return None, _error(400, f"{name} must be a number{bounds}, got {value!r}", param=name)
+    tokens = Range(1, settings.AGENT_MAX_CONTEXT_TOKENS)
+    checks = (("max_tokens", integer_check, tokens), ("max_completion_tokens", integer_check, tokens),
+              ("temperature", number_check, Range(0, 2)), ("top_p", number_check, Range(0, 1)),
+              ("seed", integer_check, Range(-(2**63), 2**63 - 1)))
+    for name, check, bounds in checks:
+        if data.get(name) is not None:
+            try:
+                check(name, data[name], bounds)
+            except ValueError as exc:
+                return None, _error(400, str(exc), param=name)
     return {
         "messages": messages, "tools": tools, "max_tokens": data.get("max_completion_tokens") or data.get("max_tokens"),
         "temperature": float(data.get("temperature", 1.0)), "top_p": float(data.get("top_p", 1.0)), "seed": data.get("seed"),

@@ -26,9 +26,11 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import connection, transaction
 from django.utils import timezone
 
-from training.agent.config import AgentConfigError, AgentLimits
+from training.agent.config import AgentLimits
 from webapp.agents.models import AgentTask, Repository, TaskEvent
 from webapp.agents.selectors import LIVE_CHANNEL_LAYER, event_to_wire, event_wire, task_group_name
+from webapp.agents.validation import agent_limits_check, policy_options_check
+from webapp.core.validation import CONFLICT
 
 logger = logging.getLogger(__name__)
 
@@ -282,25 +284,9 @@ def repository_create(
 
 def _limits_check(limits: dict[str, Any] | None) -> dict[str, Any]:
     try:
-        return AgentLimits.from_dict(limits).to_dict()
-    except (AgentConfigError, TypeError) as exc:
-        raise ValidationError({"limits": str(exc)}) from exc
-
-
-def _policy_options_check(backend: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    options = dict(options or {})
-    allowed = {"step_delay_s"} if backend == AgentTask.Backend.SCRIPTED else {"seed"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValidationError({"policy_options": f"unknown option(s) for backend {backend}: {', '.join(unknown)}; "
-                                                 f"allowed: {', '.join(sorted(allowed)) or 'none'}"})
-    if "step_delay_s" in options:
-        delay = options["step_delay_s"]
-        if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay <= 60:
-            raise ValidationError({"policy_options": "step_delay_s must be a number of seconds in [0, 60]"})
-    if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
-        raise ValidationError({"policy_options": "seed must be an integer"})
-    return options
+        return agent_limits_check(limits)
+    except ValidationError as exc:
+        raise ValidationError({"limits": exc.messages}) from exc
 
 
 @transaction.atomic
@@ -344,7 +330,7 @@ def task_create(
         raise ValidationError(errors)
 
     limits = _limits_check(limits)
-    policy_options = _policy_options_check(backend, policy_options)
+    policy_options = policy_options_check(backend=backend, options=policy_options)
 
     if backend == AgentTask.Backend.OPENAI:
         base_url = (base_url or settings.OPENAI_BASE_URL or "").strip()
@@ -390,7 +376,8 @@ def task_cancel(*, task: AgentTask, user) -> AgentTask:
     """Cancel a queued task at once; ask a running one to stop at its next step."""
     task = AgentTask.objects.select_for_update().get(pk=task.pk)
     if task.is_finished:
-        raise ValidationError({"status": f"the task already {task.status}; only queued or running tasks can be cancelled"})
+        raise ValidationError({"status": ValidationError(
+            f"the task already {task.status}; only queued or running tasks can be cancelled", code=CONFLICT)})
     task.cancel_requested = True
     if task.status == AgentTask.Status.QUEUED:
         task.status = AgentTask.Status.CANCELLED

@@ -17,7 +17,12 @@ from sandboxes.tools import TOOL_NAMES
 from webapp.agents import selectors, services
 from webapp.agents.forms import RepositoryForm, TaskSubmitForm
 from webapp.agents.models import AgentTask
+from webapp.core.forms import form_add_service_error
 from webapp.core.selectors import owned_get_for_change
+from webapp.core.validation import Range, number_check, text_check
+
+TASK_FORM_FIELD_NAMES = {"team": "share_with_team", "policy_options": "step_delay_s"}
+"""task_create's argument names that the submission form calls differently."""
 
 
 def builtin_base_url_for(request) -> str:
@@ -28,39 +33,39 @@ def builtin_base_url_for(request) -> str:
 def task_filters_from(params) -> dict:
     """Parse trace-browser filters from a query dict; raise ValueError naming a bad value."""
 
+    def text(name: str) -> str | None:
+        return text_check(name, (params.get(name) or "").strip(), max_chars=1000) or None
+
     def number(name: str) -> float | None:
-        raw = (params.get(name) or "").strip()
-        if not raw:
+        raw = text(name)
+        if raw is None:
             return None
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
-            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+            raise ValueError(f"{name} must be a number, got {raw[:60]!r}") from None
+        return number_check(name, value, Range())
 
     def day(name: str) -> date | None:
-        raw = (params.get(name) or "").strip()
-        if not raw:
+        raw = text(name)
+        if raw is None:
             return None
         try:
             return date.fromisoformat(raw)
         except ValueError:
-            raise ValueError(f"{name} must be a date like 2026-01-31, got {raw!r}") from None
+            raise ValueError(f"{name} must be a date like 2026-01-31, got {raw[:60]!r}") from None
 
-    status = (params.get("status") or "").strip()
+    status = text("status")
     if status and status not in AgentTask.Status.values:
-        raise ValueError(f"status must be one of {', '.join(AgentTask.Status.values)}, got {status!r}")
-    source = (params.get("source") or "").strip()
+        raise ValueError(f"status must be one of {', '.join(AgentTask.Status.values)}, got {status[:60]!r}")
+    source = text("source")
     if source and source not in AgentTask.Source.values:
-        raise ValueError(f"source must be one of {', '.join(AgentTask.Source.values)}, got {source!r}")
+        raise ValueError(f"source must be one of {', '.join(AgentTask.Source.values)}, got {source[:60]!r}")
     return {
-        "status": status or None, "source": source or None,
-        "model": (params.get("model") or "").strip() or None,
-        "repository": (params.get("repository") or "").strip() or None,
-        "experiment": (params.get("experiment") or "").strip() or None,
-        "tool": (params.get("tool") or "").strip() or None,
+        "status": status, "source": source, "model": text("model"), "repository": text("repository"),
+        "experiment": text("experiment"), "tool": text("tool"),
         "reward_min": number("reward_min"), "reward_max": number("reward_max"),
-        "date_from": day("date_from"), "date_to": day("date_to"),
-        "search": (params.get("q") or "").strip() or None,
+        "date_from": day("date_from"), "date_to": day("date_to"), "search": text("q"),
     }
 
 
@@ -73,8 +78,7 @@ def task_list(request):
                 task = services.task_create(owner=request.user, builtin_base_url=builtin_base_url_for(request),
                                             **form.service_arguments())
             except ValidationError as exc:
-                for field, errors in exc.message_dict.items():
-                    form.add_error(field if field in form.fields else None, errors)
+                form_add_service_error(form, exc, field_names=TASK_FORM_FIELD_NAMES)
             else:
                 messages.success(request, f"Task {task.pk} queued.")
                 return redirect("agents:task-detail", pk=task.pk)
@@ -95,8 +99,7 @@ def repository_list(request):
             try:
                 repository = services.repository_create(owner=request.user, **form.service_arguments())
             except ValidationError as exc:
-                for field, errors in exc.message_dict.items():
-                    form.add_error(field if field in form.fields else None, errors)
+                form_add_service_error(form, exc, field_names={"team": "share_with_team"})
             else:
                 messages.success(request, f"Repository '{repository.name}' registered.")
                 return redirect("agents:task-list")

@@ -1,14 +1,20 @@
-"""REST API of experiments and benchmarks: parse, call one service or selector, serialize."""
+"""REST API of experiments and benchmarks: parse, call one service or selector, serialize.
+
+Services' ValidationErrors become 400/409 responses in webapp.core.api.exception_handler. An
+experiment shared with a `team` is visible to its members; only its owner may act on it.
+"""
 
 from __future__ import annotations
 
-from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from webapp.agents.api import TeamNameField
+from webapp.core.api import InputSerializer, TypedConfigField
+from webapp.core.validation import text_check
 from webapp.experiments import services
 from webapp.experiments.models import BenchmarkRun, Experiment
 from webapp.experiments.selectors import (
@@ -18,18 +24,20 @@ from webapp.experiments.selectors import (
     experiment_list,
     experiment_steps,
 )
-
-
-def _raise(error: DjangoValidationError) -> None:
-    raise ValidationError(error.message_dict if hasattr(error, "error_dict") else {"detail": error.messages})
+from webapp.experiments.validation import experiment_config_check
 
 
 class ExperimentOutput(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username")
+    team = serializers.CharField(source="team.name", default=None)
+
     class Meta:
         model = Experiment
         fields = (
             "id",
             "name",
+            "owner",
+            "team",
             "status",
             "status_reason",
             "config",
@@ -43,9 +51,12 @@ class ExperimentOutput(serializers.ModelSerializer):
 
 
 class ExperimentListApi(APIView):
-    class Input(serializers.Serializer):
+    class Input(InputSerializer):
         name = serializers.CharField(max_length=200)
-        config = serializers.DictField()
+        config = TypedConfigField(
+            check=experiment_config_check, help_text="AsyncRLConfig fields; each has a type and a range."
+        )
+        team = TeamNameField()
 
     @extend_schema(summary="Experiments visible to you", responses={200: ExperimentOutput(many=True)})
     def get(self, request):
@@ -55,12 +66,9 @@ class ExperimentListApi(APIView):
         summary="Launch an experiment from an AsyncRLConfig", request=Input, responses={201: ExperimentOutput}
     )
     def post(self, request):
-        data = self.Input(data=request.data)
+        data = self.Input(data=request.data, context={"request": request})
         data.is_valid(raise_exception=True)
-        try:
-            experiment = services.experiment_create(owner=request.user, **data.validated_data)
-        except DjangoValidationError as error:
-            _raise(error)
+        experiment = services.experiment_create(owner=request.user, **data.validated_data)
         return Response(ExperimentOutput(experiment).data, status=status.HTTP_201_CREATED)
 
 
@@ -88,10 +96,7 @@ class ExperimentActionApi(APIView):
         if action not in actions:
             raise ValidationError({"action": f"unknown action; use one of {sorted(actions)}"})
         experiment = experiment_get_for_change(user=request.user, pk=pk)
-        try:
-            experiment = actions[action](experiment=experiment)
-        except DjangoValidationError as error:
-            _raise(error)
+        experiment = actions[action](experiment=experiment)  # a state conflict: 409 (exception handler)
         return Response(ExperimentOutput(experiment).data)
 
 
@@ -116,5 +121,9 @@ class BenchmarkLeaderboardApi(APIView):
         summary="Finished benchmark runs, best pass@1 first", responses={200: BenchmarkRunOutput(many=True)}
     )
     def get(self, request):
-        runs = benchmark_leaderboard(user=request.user, suite=request.query_params.get("suite") or None)
+        try:
+            suite = text_check("suite", request.query_params.get("suite") or "", max_chars=100) or None
+        except ValueError as exc:
+            raise ValidationError({"suite": [str(exc)]}) from None
+        runs = benchmark_leaderboard(user=request.user, suite=suite)
         return Response(BenchmarkRunOutput(runs, many=True).data)

@@ -1,10 +1,16 @@
-"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help."""
+"""The launch form is generated from the typed AsyncRLConfig: one input per field, its docstring as help.
+
+Django's number fields refuse what is not a finite number (NaN, Infinity, 1e309) or not an integer (1.5);
+ranges are checked by the service (webapp.experiments.validation, after AsyncRLConfig's own rules, whose
+messages explain them), and the form shows each error next to its field.
+"""
 
 from __future__ import annotations
 
 from django import forms
 from django.conf import settings
 
+from webapp.core.validation import MAX_STRING_CHARS
 from webapp.experiments.selectors import experiment_form_fields
 
 _FIELD_TYPES = {
@@ -16,9 +22,15 @@ _FIELD_TYPES = {
 
 class ExperimentForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="Shown in lists and on every trace of the run.")
+    share_with_team = forms.ModelChoiceField(
+        queryset=None, required=False, empty_label="— private —",
+        help_text="Teammates may view the experiment, its plots and rollouts; only you may pause, resume, cancel "
+                  "or evaluate it.",
+    )
 
-    def __init__(self, *args, initial_config: dict | None = None, **kwargs) -> None:
+    def __init__(self, *args, user, initial_config: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.fields["share_with_team"].queryset = user.teams.all()
         initial_config = initial_config or {}
         for spec in experiment_form_fields():
             field_class = _FIELD_TYPES.get(spec["type"].replace(" | None", ""), forms.CharField)
@@ -33,11 +45,13 @@ class ExperimentForm(forms.Form):
                 or spec["type"].endswith("| None")
             ):
                 options["required"] = False
+            if field_class is forms.CharField:
+                options["max_length"] = MAX_STRING_CHARS
             self.fields[spec["name"]] = field_class(**options)
 
     def config(self) -> dict:
-        """The cleaned config fields (without the name), for experiment_create."""
-        values = {key: value for key, value in self.cleaned_data.items() if key != "name"}
+        """The cleaned config fields (without the name and the sharing), for experiment_create."""
+        values = {key: value for key, value in self.cleaned_data.items() if key not in ("name", "share_with_team")}
         return {key: value for key, value in values.items() if value is not None and value != ""}
 
 

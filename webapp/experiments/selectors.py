@@ -19,9 +19,7 @@ from webapp.experiments.models import (
     ExperimentRollout,
     ExperimentStep,
 )
-
-# Fields of AsyncRLConfig the launch form does not offer: derived from the experiment or the server.
-SERVER_CONTROLLED_FIELDS = ("run_dir", "ray_address", "sandbox_backend")
+from webapp.experiments.validation import SERVER_CONTROLLED_FIELDS
 
 DASHBOARD_SERIES = (
     ("mean_reward", "Reward"),
@@ -45,7 +43,8 @@ def experiment_group_name(*, experiment_id: int) -> str:
 
 
 def experiment_list(*, user) -> QuerySet[Experiment]:
-    return owned_visible_to(queryset=Experiment.objects.all(), user=user)
+    """The user's experiments and those shared with one of their teams, newest first."""
+    return owned_visible_to(queryset=Experiment.objects.select_related("owner", "team"), user=user)
 
 
 def experiment_get(*, user, pk) -> Experiment:

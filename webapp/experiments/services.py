@@ -26,6 +26,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
+from webapp.core.validation import CONFLICT
 from webapp.experiments.models import (
     BenchmarkRun,
     BenchmarkTaskResult,
@@ -35,7 +36,8 @@ from webapp.experiments.models import (
     ExperimentStep,
     RepositoryRecipe,
 )
-from webapp.experiments.selectors import SERVER_CONTROLLED_FIELDS, experiment_group_name
+from webapp.experiments.selectors import experiment_group_name
+from webapp.experiments.validation import experiment_config_check
 
 logger = logging.getLogger(__name__)
 
@@ -48,47 +50,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _experiments_root() -> Path:
     return Path(settings.STATE_DIR) / "experiments"
-
-
-def _checkpoint_from_choices(value: Any, *, owner) -> str:
-    """The directory of a registered checkpoint named (or, for clones, equal to) ``value``.
-
-    The same error for every unknown value: it never tells whether a server path exists.
-    """
-    from webapp.experiments.selectors import checkpoint_choices
-
-    choices = checkpoint_choices(user=owner)
-    if isinstance(value, str) and value in choices:
-        return choices[value]
-    if isinstance(value, str) and value and value in choices.values():
-        return value
-    names = ", ".join(list(choices)[:30]) or "none are registered (set FLOWSTATE_MODEL_CHECKPOINT)"
-    raise ValidationError({"init_checkpoint": f"choose a registered checkpoint by name: {names}"})
-
-
-def _validated_config(config: dict[str, Any], *, run_dir: str, owner=None) -> dict[str, Any]:
-    """The config as AsyncRLConfig accepts it, or a ValidationError naming the field to fix."""
-    from training.rollout.config import AsyncRLConfig, AsyncRLConfigError
-
-    if not isinstance(config, dict):
-        raise ValidationError({"config": "the config must be a JSON object of AsyncRLConfig fields"})
-    forbidden = sorted(set(config) & set(SERVER_CONTROLLED_FIELDS))
-    if forbidden:
-        raise ValidationError({"config": f"{', '.join(forbidden)} are set by the server; remove them"})
-    data = dict(config)
-    if data.get("init_checkpoint"):
-        data["init_checkpoint"] = _checkpoint_from_choices(data["init_checkpoint"], owner=owner)
-    data.setdefault("init_checkpoint", settings.MODEL_CHECKPOINT or "")
-    data["sandbox_backend"] = settings.SANDBOX_BACKEND
-    data["ray_address"] = settings.RAY_ADDRESS
-    try:
-        parsed = AsyncRLConfig.from_dict({**data, "run_dir": run_dir})
-    except (AsyncRLConfigError, TypeError) as error:
-        message = str(error)
-        field = next((name for name in data if message.startswith(name)), "config")
-        raise ValidationError({field: message}) from error
-    values = {key: value for key, value in parsed.__dict__.items() if key not in SERVER_CONTROLLED_FIELDS}
-    return values
 
 
 def _enqueue_monitor(experiment_id: int) -> None:
@@ -125,12 +86,18 @@ def _status_message(experiment: Experiment) -> dict:
 def experiment_create(
     *, owner, name: str, config: dict[str, Any], team=None, parent: Experiment | None = None
 ) -> Experiment:
-    """Validate the typed config, store the experiment and enqueue its monitor (which starts the driver)."""
+    """Validate the typed config, store the experiment and enqueue its monitor (which starts the driver).
+
+    With a `team` (one of the owner's), its members may view the experiment, its plots, rollouts and
+    checkpoints; only the owner may pause, resume, cancel or evaluate it.
+    """
+    if team is not None and not owner.teams.filter(pk=team.pk).exists():
+        raise ValidationError({"team": f"you are not a member of the team '{team.name}'"})
     name = (name or "").strip()
     if not name:
         raise ValidationError({"name": "give the experiment a name"})
     placeholder_dir = str(_experiments_root() / "pending")
-    values = _validated_config(config, run_dir=placeholder_dir, owner=owner)
+    values = experiment_config_check(config, run_dir=placeholder_dir, owner=owner)
     experiment = Experiment.objects.create(
         owner=owner, team=team, name=name[:200], config=values, parent=parent
     )
@@ -142,13 +109,16 @@ def experiment_create(
 
 
 def experiment_clone(
-    *, experiment: Experiment, owner, name: str = "", changes: dict[str, Any] | None = None
+    *, experiment: Experiment, owner, name: str = "", changes: dict[str, Any] | None = None, team=None
 ) -> Experiment:
-    """A new experiment with the source's config updated by `changes`; it starts from scratch."""
+    """A new experiment with the source's config updated by `changes`; it starts from scratch.
+
+    The clone belongs to `owner` and is shared with `team` (None: private), whoever owned the source.
+    """
     config = {**experiment.config, **(changes or {})}
     return experiment_create(
         owner=owner,
-        team=experiment.team,
+        team=team,
         name=name or f"{experiment.name} (clone)",
         config=config,
         parent=experiment,
@@ -160,7 +130,7 @@ def experiment_pause(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
     if experiment.status not in Experiment.ACTIVE:
         raise ValidationError(
-            f"only a queued or running experiment can be paused; this one is {experiment.status}"
+            f"only a queued or running experiment can be paused; this one is {experiment.status}", code=CONFLICT
         )
     experiment.pause_requested = True
     experiment.save(update_fields=["pause_requested"])
@@ -173,7 +143,7 @@ def experiment_resume(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
     if experiment.status not in (Experiment.Status.PAUSED, Experiment.Status.FAILED):
         raise ValidationError(
-            f"only a paused or failed experiment can be resumed; this one is {experiment.status}"
+            f"only a paused or failed experiment can be resumed; this one is {experiment.status}", code=CONFLICT
         )
     experiment.status = Experiment.Status.QUEUED
     experiment.status_reason = "resume requested"
@@ -188,7 +158,7 @@ def experiment_resume(*, experiment: Experiment) -> Experiment:
 def experiment_cancel(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
     if experiment.status in (Experiment.Status.CANCELLED, Experiment.Status.FINISHED):
-        raise ValidationError(f"the experiment is already {experiment.status}")
+        raise ValidationError(f"the experiment is already {experiment.status}", code=CONFLICT)
     experiment.cancel_requested = True
     fields = ["cancel_requested"]
     if experiment.status != Experiment.Status.RUNNING:

@@ -9,6 +9,8 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from webapp.core.forms import form_add_service_error
+from webapp.core.validation import text_check
 from webapp.experiments import services
 from webapp.experiments.forms import EvaluateForm, ExperimentForm
 from webapp.experiments.models import ExperimentCheckpoint
@@ -25,26 +27,19 @@ from webapp.experiments.selectors import (
 )
 
 
-def _apply_validation_error(form, error: ValidationError) -> None:
-    if hasattr(error, "error_dict"):
-        for field, errors in error.message_dict.items():
-            form.add_error(field if field in form.fields else None, errors)
-    else:
-        form.add_error(None, error.messages)
-
-
 def _launch(request, *, form: ExperimentForm, parent=None):
+    team = form.cleaned_data.get("share_with_team")
     try:
         if parent is not None:
             experiment = services.experiment_clone(
-                experiment=parent, owner=request.user, name=form.cleaned_data["name"], changes=form.config()
+                experiment=parent, owner=request.user, name=form.cleaned_data["name"], changes=form.config(), team=team
             )
         else:
             experiment = services.experiment_create(
-                owner=request.user, name=form.cleaned_data["name"], config=form.config()
+                owner=request.user, name=form.cleaned_data["name"], config=form.config(), team=team
             )
     except ValidationError as error:
-        _apply_validation_error(form, error)
+        form_add_service_error(form, error, field_names={"team": "share_with_team"})
         return None
     messages.success(request, f"Experiment {experiment.name} queued.")
     return redirect("experiments:experiment-detail", pk=experiment.pk)
@@ -52,7 +47,7 @@ def _launch(request, *, form: ExperimentForm, parent=None):
 
 @login_required
 def experiment_list_view(request):
-    form = ExperimentForm(request.POST or None)
+    form = ExperimentForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
         response = _launch(request, form=form)
         if response is not None:
@@ -70,7 +65,10 @@ def experiment_list_view(request):
 def experiment_clone_view(request, pk: int):
     source = experiment_get(user=request.user, pk=pk)
     form = ExperimentForm(
-        request.POST or None, initial_config=source.config, initial={"name": f"{source.name} (clone)"}
+        request.POST or None,
+        user=request.user,
+        initial_config=source.config,
+        initial={"name": f"{source.name} (clone)", "share_with_team": source.team_id},
     )
     if request.method == "POST" and form.is_valid():
         response = _launch(request, form=form, parent=source)
@@ -130,6 +128,8 @@ def experiment_cancel_view(request, pk: int):
 @login_required
 def experiment_group_view(request, pk: int, group_id: str):
     experiment = experiment_get(user=request.user, pk=pk)
+    if "\x00" in group_id:  # no group id holds one, and PostgreSQL refuses it in a query
+        raise Http404
     rollouts = experiment_group_rollouts(experiment=experiment, group_id=group_id)
     if not rollouts:
         raise Http404
@@ -174,7 +174,11 @@ def checkpoint_evaluate_view(request, pk: int, checkpoint_pk: int):
 
 @login_required
 def benchmark_leaderboard_view(request):
-    suite = request.GET.get("suite") or None
+    try:
+        suite = text_check("suite", request.GET.get("suite") or "", max_chars=100) or None
+    except ValueError as exc:
+        messages.error(request, str(exc))
+        suite = None
     return render(
         request,
         "experiments/leaderboard.html",
