@@ -49,11 +49,14 @@ def task_filters_from(params) -> dict:
     status = (params.get("status") or "").strip()
     if status and status not in AgentTask.Status.values:
         raise ValueError(f"status must be one of {', '.join(AgentTask.Status.values)}, got {status!r}")
+    outcome = (params.get("outcome") or "").strip()
+    if outcome and outcome not in AgentTask.Outcome.values:
+        raise ValueError(f"outcome must be one of {', '.join(v for v in AgentTask.Outcome.values if v)}, got {outcome!r}")
     source = (params.get("source") or "").strip()
     if source and source not in AgentTask.Source.values:
         raise ValueError(f"source must be one of {', '.join(AgentTask.Source.values)}, got {source!r}")
     return {
-        "status": status or None, "source": source or None,
+        "status": status or None, "outcome": outcome or None, "source": source or None,
         "model": (params.get("model") or "").strip() or None,
         "repository": (params.get("repository") or "").strip() or None,
         "experiment": (params.get("experiment") or "").strip() or None,
@@ -149,6 +152,7 @@ def trace_list(request):
     query.pop("page", None)
     return render(request, "agents/trace_list.html", {
         "page": page, "filters": request.GET, "error": error, "statuses": AgentTask.Status.values,
+        "outcomes": [choice for choice in AgentTask.Outcome.choices if choice[0]],
         "tools": TOOL_NAMES, "query": query.urlencode(),
     })
 
