@@ -14,10 +14,12 @@ SIGTERM) stops every child, newest first.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +103,15 @@ def port_answers(port: int) -> bool:
         return False
 
 
+def ray_temp_dir() -> Path:
+    """var/ray, or a fresh private directory under the system temp dir when var/ray is so deep that
+    Ray's unix sockets (<dir>/session_<date>_<pid>/sockets/plasma_store) would pass the 107-byte limit."""
+    preferred = STATE_DIR / "ray"
+    if len(str(preferred)) <= 40:
+        return preferred
+    return Path(tempfile.mkdtemp(prefix="flowstate-ray-"))  # 0700, a new name each start
+
+
 def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
@@ -120,6 +131,7 @@ def main() -> int:
     if not env.get("FLOWSTATE_MODEL_CHECKPOINT") and (DEMO_MODEL / "model.safetensors").is_file():
         env["FLOWSTATE_MODEL_CHECKPOINT"] = str(DEMO_MODEL)
     children: list[Child] = []
+    ray_dir: Path | None = None
     if port_answers(PORT):
         raise SystemExit(f"[flowstate] port {PORT} is already in use (another `make run`?); stop it or set FLOWSTATE_PORT")
 
@@ -147,10 +159,11 @@ def main() -> int:
         address_file = STATE_DIR / "ray_address"
         if not env.get("RAY_ADDRESS"):
             ray_port = free_port()
+            ray_dir = ray_temp_dir()
             ray = Child(
                 "ray head",
                 [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
-                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={STATE_DIR / 'ray'}",
+                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_dir}",
                  "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
                 # Ray drains idle workers for 30 s on SIGTERM; nothing of ours runs there once the
                 # worker and server are stopped, so cut it short.
@@ -188,6 +201,8 @@ def main() -> int:
         for child in reversed(children):
             child.stop()
         (STATE_DIR / "ray_address").unlink(missing_ok=True)
+        if ray_dir is not None and not ray_dir.is_relative_to(STATE_DIR):
+            shutil.rmtree(ray_dir, ignore_errors=True)
     return 0
 
 
