@@ -16,6 +16,8 @@
   }
 
   const OUTCOMES = { tests_pass: "tests pass", tests_fail: "tests fail", no_tests: "no tests", error: "tests could not run" };
+  // The loop stopping on its own is not success: the verification below says whether the tests pass.
+  function finalLabel(status) { return status === "succeeded" ? "agent finished" : status; }
   function fmtTokens(n) { return n >= 10000 ? (n / 1000).toFixed(1) + "k" : String(n); }
   function fmtSeconds(s) { return s >= 60 ? Math.floor(s / 60) + "m" + String(Math.round(s % 60)).padStart(2, "0") + "s" : s.toFixed(1) + "s"; }
 
@@ -174,7 +176,7 @@
           body.appendChild(el("div", { cls: "ev ev-error bad", text: `${p.infrastructure ? "Infrastructure error" : "Error"}: ${p.message}` }));
           break;
         case "final":
-          body.appendChild(el("div", { cls: "ev ev-final" }, [el("div", { cls: `label ${p.status === "succeeded" ? "ok" : "bad"}`, text: `${p.status}: ${p.reason}` }),
+          body.appendChild(el("div", { cls: "ev ev-final" }, [el("div", { cls: `label ${p.status === "succeeded" ? "ok" : "bad"}`, text: `${finalLabel(p.status)}: ${p.reason}` }),
             p.content ? el("div", { cls: "assistant", text: p.content }) : null]));
           break;
         case "tests":
@@ -239,7 +241,7 @@
       const p = event.payload;
       this.finalPanel.replaceChildren(
         el("h3", { text: "Result" }),
-        el("div", { cls: p.status === "succeeded" ? "ok" : "bad", text: `${p.status}: ${p.reason}` }),
+        el("div", { cls: p.status === "succeeded" ? "ok" : "bad", text: `${finalLabel(p.status)}: ${p.reason}` }),
         p.content ? el("div", { cls: "assistant final-message", text: p.content }) : el("span"),
       );
       const diffBox = el("div", { cls: "final-diff" });
