@@ -247,7 +247,9 @@
       const diffBox = el("div", { cls: "final-diff" });
       this.finalPanel.appendChild(diffBox);
       renderDiff(diffBox, p.diff);
-      this.setStatus(p.status, p.reason);
+      // A live task that stopped normally now runs its tests; the server's status message ends it.
+      if (p.status === "succeeded" && this.status === "running") this.setStatus("verifying", "running the repository's tests");
+      else this.setStatus(p.status, p.reason);
     }
 
     renderTests(event) {
