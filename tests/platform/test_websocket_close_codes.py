@@ -110,3 +110,18 @@ def test_notifications_socket_takes_a_token_without_origin(owner, asgi_server):
             return ws.state.name
 
     assert asyncio.run(ping()) == "OPEN"
+
+
+def test_the_readme_client_follows_a_task_to_its_end(owner, finished_task, asgi_server, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    code = "\n".join(line for line in code.splitlines() if not line.startswith("print(asyncio.run("))
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # the snippet exactly as users copy it
+    token = api_token_get_or_create(user=owner)
+    status = asyncio.run(namespace["follow"](finished_task.pk, token, host=asgi_server))
+    assert status["type"] == "status" and status["status"] == "succeeded"
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["0", "1", "2"]
