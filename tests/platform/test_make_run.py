@@ -146,3 +146,16 @@ def test_default_sandbox_root_moves_only_when_root_cannot_share_the_checkout(ope
         assert default_sandbox_root(other / "var", euid=0) != moved
     else:
         assert moved == hidden / "var" / "sandboxes"
+
+
+def test_an_explicit_sandbox_root_below_a_closed_directory_is_refused_not_widened(open_scratch):
+    if os.geteuid() != 0:
+        pytest.skip("only root maps sandboxes onto another uid")
+    from sandboxes.base import BackendUnavailable
+    from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+
+    closed = open_scratch / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(BackendUnavailable, match=f"below {closed}, which other users cannot traverse"):
+        LocalBackend(LocalBackendConfig(root=closed / "sandboxes"))
+    assert closed.stat().st_mode & 0o777 == 0o700  # the backend did not chmod the user's directory
