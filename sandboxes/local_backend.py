@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandboxes import safe_fs
+from sandboxes import paths, safe_fs
 from sandboxes.archives import ArchiveLimits
 from sandboxes.base import (
     WORKSPACE_DIR,
@@ -68,7 +68,7 @@ def default_sandbox_root() -> Path:
             return Path(settings.SANDBOX_ROOT)
     except ImportError:
         pass
-    return Path(os.environ.get("SANDBOX_ROOT") or "var/sandboxes").absolute()
+    return Path(os.environ.get("SANDBOX_ROOT") or paths.default_sandbox_root(Path("var"))).absolute()
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,8 @@ class LocalBackend(SandboxBackend):
         for tool in ("nsenter", "prlimit", "setpriv"):
             if shutil.which(tool) is None:
                 raise BackendUnavailable(f"the local sandbox backend needs {tool!r} (util-linux) on PATH")
+        if not self.rootless and self.root.is_relative_to(paths.SHARED_STATE_DIR):
+            paths.ensure_shared_state_dir()
         for sub in ("snapshots", "sandboxes", "registry"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         if self.rootless:
@@ -309,13 +311,12 @@ class LocalBackend(SandboxBackend):
             for sub in ("snapshots", "sandboxes"):
                 os.chmod(self.root / sub, 0o711)
             os.chmod(self.root, 0o711)
-            for ancestor in self.root.parents:
-                if not os.stat(ancestor).st_mode & 0o001:
-                    raise BackendUnavailable(
-                        f"sandbox root {self.root} is below {ancestor}, which other users cannot traverse; "
-                        "sandbox init processes run as an unprivileged host uid, so give it o+x "
-                        "(chmod o+x) or set SANDBOX_ROOT elsewhere"
-                    )
+            if (ancestor := paths.untraversable_ancestor(self.root)) is not None:
+                raise BackendUnavailable(
+                    f"sandbox root {self.root} is below {ancestor}, which other users cannot traverse; "
+                    "sandbox init processes run as an unprivileged host uid, so give it o+x "
+                    "(chmod o+x) or set SANDBOX_ROOT elsewhere (unset, it defaults to a traversable place)"
+                )
         # Sandboxes left behind by crashed owners would otherwise live until their lifetime ends.
         self.reap_orphans()
         self._closed = False

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,25 @@ def port_answers(port: int) -> bool:
         return False
 
 
+def ray_temp_dir() -> Path:
+    """var/ray, or a fresh private directory under the system temp dir when var/ray is so deep that
+    Ray's unix sockets (<dir>/session_<date>_<pid>/sockets/plasma_store) would pass the 107-byte limit.
+    An outside directory is recorded in var/ray_temp_dir, so the stop (or the next start) removes it."""
+    preferred = STATE_DIR / "ray"
+    if len(str(preferred)) <= 40:
+        return preferred
+    outside = Path(tempfile.mkdtemp(prefix="flowstate-ray-"))  # 0700, a new name each start
+    (STATE_DIR / "ray_temp_dir").write_text(str(outside))
+    return outside
+
+
+def remove_ray_temp_dir() -> None:
+    record = STATE_DIR / "ray_temp_dir"
+    if record.is_file():
+        shutil.rmtree(record.read_text().strip(), ignore_errors=True)
+        record.unlink(missing_ok=True)
+
+
 def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
@@ -185,6 +205,7 @@ def remove_stale_run() -> None:
         log(f"stopped {left} processes a previous run of {STATE_DIR} left behind ({time.monotonic() - started:.1f}s)")
     for stale in ("redis.sock", "ray_address"):
         (STATE_DIR / stale).unlink(missing_ok=True)
+    remove_ray_temp_dir()
     # Ray keeps one session directory per start; keep the newest (the crashed run's logs).
     sessions = sorted((STATE_DIR / "ray").glob("session_2*"), key=lambda path: path.stat().st_mtime)
     for session in sessions[:-1]:
@@ -291,6 +312,7 @@ def main() -> int:
         finally:
             for stale in ("ray_address", "run.pid"):
                 (STATE_DIR / stale).unlink(missing_ok=True)
+            remove_ray_temp_dir()
             os.close(lock_fd)
     return 0
 
@@ -320,7 +342,7 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
         ray = Child(
             "ray head",
             [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
-             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={STATE_DIR / 'ray'}",
+             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_temp_dir()}",
              "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
             # Ray drains for 30 s on SIGTERM; nothing of ours runs there once the worker, the
             # fleet and the server are stopped, so its group gets SIGKILL after a second.

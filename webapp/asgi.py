@@ -16,16 +16,18 @@ if settings.DEBUG or settings.SERVE_STATIC:
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
-from webapp.accounts.ws_auth import SessionOrTokenAuthMiddleware  # noqa: E402
+from webapp.accounts.ws_auth import NotFoundConsumer, SessionOrTokenAuthMiddleware  # noqa: E402
 from webapp.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(
-            SessionOrTokenAuthMiddleware(URLRouter(websocket_urlpatterns))
+        # Origin check for cookie sessions only, refusals as close codes: see webapp.accounts.ws_auth.
+        # Unknown paths end at NotFoundConsumer (4404) rather than an exception.
+        "websocket": SessionOrTokenAuthMiddleware(
+            URLRouter([*websocket_urlpatterns, re_path(r"", NotFoundConsumer.as_asgi())])
         ),
     }
 )

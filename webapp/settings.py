@@ -15,6 +15,7 @@ from pathlib import Path
 import environ
 from kombu import Queue
 
+from sandboxes.paths import default_sandbox_root
 from webapp.env import (
     ConfigurationError,
     env_bool,
@@ -54,6 +55,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI / Redoc assets served from here, never a CDN
     "django_celery_results",
     "channels",
     "webapp.accounts",
@@ -172,9 +174,13 @@ CHANNEL_LAYERS = {
 # --- Compute backends ---------------------------------------------------------------------
 SANDBOX_BACKEND = env_choice("SANDBOX_BACKEND", "local", ["local", "docker"])
 SANDBOX_IMAGE = env_str("SANDBOX_IMAGE", "flowstate-sandbox:latest")
-SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(STATE_DIR / "sandboxes")))
+# Default: var/sandboxes, or /var/lib/flowstate/sandboxes-<hash> when root runs a checkout that
+# other users cannot traverse (sandboxes.paths explains why).
+SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(default_sandbox_root(STATE_DIR))))
 RAY_ADDRESS = env_optional("RAY_ADDRESS")
 MODEL_CHECKPOINT = env_optional("FLOWSTATE_MODEL_CHECKPOINT")
+# /metrics: staff sessions, or a scraper sending `Authorization: Bearer <METRICS_TOKEN>` (unset: staff only).
+METRICS_TOKEN = env_optional("METRICS_TOKEN")
 OPENAI_BASE_URL = env_optional("OPENAI_BASE_URL")
 OPENAI_API_KEY = env_optional("OPENAI_API_KEY")
 OPENAI_MODEL = env_optional("OPENAI_MODEL")
@@ -185,6 +191,8 @@ AGENT_STALE_AFTER_S = env_int("AGENT_STALE_AFTER_S", 60, minimum=2)
 if AGENT_STALE_AFTER_S <= AGENT_HEARTBEAT_S:
     raise ConfigurationError("AGENT_STALE_AFTER_S must exceed AGENT_HEARTBEAT_S, or live tasks look dead")
 AGENT_MAX_ATTEMPTS = env_int("AGENT_MAX_ATTEMPTS", 2, minimum=1)
+# Verified results: the repository's tests run after the agent stops, for at most this long.
+AGENT_VERIFY_TIMEOUT_S = env_int("AGENT_VERIFY_TIMEOUT_S", 300, minimum=10)
 # Where workers reach this server's /v1 endpoint for the built-in model; empty: the submitting request's host.
 AGENT_BUILTIN_BASE_URL = env_optional("AGENT_BUILTIN_BASE_URL")
 AGENT_BUILTIN_MODEL_NAME = env_str("AGENT_BUILTIN_MODEL_NAME", "flowstate")
@@ -239,6 +247,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Cloud coding agents, rollout traces, RL experiments and the sandbox fleet.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     # One schema name per choice set, so `check --deploy` stays free of naming warnings.
     "ENUM_NAME_OVERRIDES": {
         "RepositoryKindEnum": "webapp.agents.models.Repository.Kind",

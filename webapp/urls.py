@@ -8,6 +8,7 @@ from webapp.core import views as core_views
 urlpatterns = [
     path("", core_views.dashboard, name="dashboard"),
     path("healthz", core_views.healthz, name="healthz"),
+    path("metrics", core_views.metrics, name="metrics"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("account/", include("webapp.accounts.urls")),

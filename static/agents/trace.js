@@ -15,6 +15,9 @@
     return node;
   }
 
+  const OUTCOMES = { tests_pass: "tests pass", tests_fail: "tests fail", no_tests: "no tests", error: "tests could not run" };
+  // The loop stopping on its own is not success: the verification below says whether the tests pass.
+  function finalLabel(status) { return status === "succeeded" ? "agent finished" : status; }
   function fmtTokens(n) { return n >= 10000 ? (n / 1000).toFixed(1) + "k" : String(n); }
   function fmtSeconds(s) { return s >= 60 ? Math.floor(s / 60) + "m" + String(Math.round(s % 60)).padStart(2, "0") + "s" : s.toFixed(1) + "s"; }
 
@@ -45,6 +48,7 @@
       this.turns = new Map();
       this.calls = new Map();
       this.status = options.status || "queued";
+      this.outcome = options.outcome || "";
       this.startedTs = null;
       this.lastTs = null;
       this.totals = { prompt: 0, completion: 0, calls: 0, turns: 0 };
@@ -79,6 +83,7 @@
       if (event.kind === "turn_start") this.totals.turns = Math.max(this.totals.turns, event.turn);
       if (event.kind === "tool_call" && p.name === "todo_write" && p.arguments && Array.isArray(p.arguments.todos)) this.renderTodos(p.arguments.todos);
       if (event.kind === "final") this.renderFinal(event);
+      if (event.kind === "tests") this.renderTests(event);
       const turn = this.turnFor(event);
       turn.events.push(event);
       this.updateTurnHeader(turn);
@@ -86,7 +91,7 @@
     }
 
     turnFor(event) {
-      const key = event.kind === "final" || event.kind === "start" ? (event.kind === "start" ? -1 : 1e9) : event.turn;
+      const key = event.kind === "final" || event.kind === "tests" || event.kind === "start" ? (event.kind === "start" ? -1 : 1e9) : event.turn;
       let turn = this.turns.get(key);
       if (!turn) {
         const section = el("section", { cls: "turn", "data-turn": String(key) });
@@ -171,8 +176,12 @@
           body.appendChild(el("div", { cls: "ev ev-error bad", text: `${p.infrastructure ? "Infrastructure error" : "Error"}: ${p.message}` }));
           break;
         case "final":
-          body.appendChild(el("div", { cls: "ev ev-final" }, [el("div", { cls: `label ${p.status === "succeeded" ? "ok" : "bad"}`, text: `${p.status}: ${p.reason}` }),
+          body.appendChild(el("div", { cls: "ev ev-final" }, [el("div", { cls: `label ${p.status === "succeeded" ? "ok" : "bad"}`, text: `${finalLabel(p.status)}: ${p.reason}` }),
             p.content ? el("div", { cls: "assistant", text: p.content }) : null]));
+          break;
+        case "tests":
+          body.appendChild(el("div", { cls: "ev ev-tests" }, [el("div", { cls: `label ${p.outcome === "tests_pass" ? "ok" : "bad"}`, text: `Tests: ${OUTCOMES[p.outcome] || p.outcome}: ${p.summary}` }),
+            p.command ? el("pre", { cls: "args cmd", text: "$ " + p.command }) : null]));
           break;
         default:
           body.appendChild(el("pre", { cls: "ev", text: JSON.stringify(event) }));
@@ -232,13 +241,28 @@
       const p = event.payload;
       this.finalPanel.replaceChildren(
         el("h3", { text: "Result" }),
-        el("div", { cls: p.status === "succeeded" ? "ok" : "bad", text: `${p.status}: ${p.reason}` }),
+        el("div", { cls: p.status === "succeeded" ? "ok" : "bad", text: `${finalLabel(p.status)}: ${p.reason}` }),
         p.content ? el("div", { cls: "assistant final-message", text: p.content }) : el("span"),
       );
       const diffBox = el("div", { cls: "final-diff" });
       this.finalPanel.appendChild(diffBox);
       renderDiff(diffBox, p.diff);
-      this.setStatus(p.status, p.reason);
+      // A live task that stopped normally now runs its tests; the server's status message ends it.
+      if (p.status === "succeeded" && this.status === "running") this.setStatus("verifying", "running the repository's tests");
+      else this.setStatus(p.status, p.reason);
+    }
+
+    renderTests(event) {
+      const p = event.payload || {};
+      this.outcome = p.outcome || "";
+      if (this.finalPanel) {
+        const output = el("details", {}, [el("summary", { text: "test output" }), el("pre", { cls: "mono terminal", text: p.output || "" })]);
+        this.finalPanel.appendChild(el("div", { cls: "tests-result", "data-role": "tests" }, [
+          el("h3", { text: "Verification" }),
+          el("div", { cls: p.outcome === "tests_pass" ? "ok" : "bad", text: `${OUTCOMES[p.outcome] || p.outcome}: ${p.summary}` }),
+          p.command ? el("pre", { cls: "args cmd", text: "$ " + p.command }) : el("span"), output]));
+      }
+      this.setStatus(this.status, this.statusBadge ? this.statusBadge.title : "");
     }
 
     renderCounters() {
@@ -251,7 +275,9 @@
 
     setStatus(status, reason) {
       this.status = status;
-      if (this.statusBadge) { this.statusBadge.textContent = status; this.statusBadge.className = `badge ${status}`; this.statusBadge.title = reason || ""; }
+      // "succeeded" only means the agent stopped: show "finished" and, once known, what the tests said.
+      const shown = status === "succeeded" ? `finished${this.outcome ? ", " + (OUTCOMES[this.outcome] || this.outcome) : ""}` : status;
+      if (this.statusBadge) { this.statusBadge.textContent = shown; this.statusBadge.className = `badge ${status} ${this.outcome}`; this.statusBadge.title = reason || ""; }
       if (this.progress) this.progress.hidden = !(status === "running" || status === "queued");
       this.root.dataset.status = status;
       this.renderCounters();
@@ -301,7 +327,7 @@
   window.FlowstateTrace = TraceView;
   document.addEventListener("DOMContentLoaded", () => {
     for (const root of document.querySelectorAll("[data-trace]")) {
-      const view = new TraceView(root, { taskId: Number(root.dataset.taskId), status: root.dataset.status, reason: root.dataset.reason });
+      const view = new TraceView(root, { taskId: Number(root.dataset.taskId), status: root.dataset.status, reason: root.dataset.reason, outcome: root.dataset.outcome });
       root.traceView = view;
       if (!window.flowstateTrace) window.flowstateTrace = view;
       const live = root.dataset.live === "true" && (view.status === "running" || view.status === "queued");

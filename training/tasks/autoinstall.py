@@ -131,7 +131,8 @@ def detect_recipe(files: dict[str, str], paths: list[str]) -> InstallRecipe:
     )
 
 
-def _count_tests(runner: str, output: str) -> tuple[int, int]:
+def count_tests(runner: str, output: str) -> tuple[int, int]:
+    """(tests that ran, tests that passed) from a pytest or unittest run's output."""
     if runner == "unittest":
         statuses, ran = parse_unittest_output(output)
         return ran or 0, sum(1 for status in statuses.values() if status == "ok")
@@ -146,6 +147,17 @@ def _count_tests(runner: str, output: str) -> tuple[int, int]:
 _CONFIG_NAMES = ("pyproject.toml", "setup.cfg", "setup.py", "tox.ini", "pytest.ini", "conftest.py")
 
 
+def repository_files(sandbox) -> tuple[dict[str, str], list[str]]:
+    """(configuration files by name, every file path) of the workspace, for ``detect_recipe``."""
+    listing = sandbox.exec("find . -path ./.git -prune -o -type f -print | sed 's|^\\./||' | head -20000", timeout_s=60)
+    paths = [line for line in listing.stdout.splitlines() if line]
+    files = {}
+    for name in paths:
+        if name in _CONFIG_NAMES or re.fullmatch(r"requirements(-\w+)?\.txt", name):
+            files[name] = sandbox.read_bytes(name).decode("utf-8", errors="replace")
+    return files, paths
+
+
 def repository_auto_install(*, backend, source, timeout_s: float = 600.0) -> InstallRecipe | InstallFailure:
     """Detect, install and verify a repository in a sandbox; the recipe, or why it cannot be set up."""
     from sandboxes.base import SandboxError, SnapshotError
@@ -157,14 +169,7 @@ def repository_auto_install(*, backend, source, timeout_s: float = 600.0) -> Ins
         return InstallFailure(stage="detect", reason=f"the repository could not be fetched: {error}")
     sandbox = backend.sandbox_create(snapshot=plain, limits=DEFAULT_TASK_LIMITS)
     try:
-        listing = sandbox.exec(
-            "find . -path ./.git -prune -o -type f -print | sed 's|^\\./||' | head -20000", timeout_s=60
-        )
-        paths = [line for line in listing.stdout.splitlines() if line]
-        files = {}
-        for name in paths:
-            if name in _CONFIG_NAMES or re.fullmatch(r"requirements(-\w+)?\.txt", name):
-                files[name] = sandbox.read_bytes(name).decode("utf-8", errors="replace")
+        files, paths = repository_files(sandbox)
     except SandboxError as error:
         return InstallFailure(stage="detect", reason=f"could not read the repository: {error}")
     finally:
@@ -195,7 +200,7 @@ def repository_auto_install(*, backend, source, timeout_s: float = 600.0) -> Ins
     finally:
         sandbox.destroy()
     output = result.stdout + "\n" + result.stderr
-    ran, passed = _count_tests(recipe.runner, output)
+    ran, passed = count_tests(recipe.runner, output)
     if result.timed_out:
         return InstallFailure(stage="test", reason=f"the test suite ran past {timeout_s:.0f}s", output_tail=output[-2000:])
     if ran == 0:

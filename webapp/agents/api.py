@@ -67,6 +67,7 @@ class TaskOutput(serializers.ModelSerializer):
     repository_label = serializers.CharField(source="repo_label")
     owner = serializers.CharField(source="owner.username")
     team = serializers.CharField(source="team.name", default=None)
+    verdict = serializers.CharField(read_only=True, help_text="finished, tests pass / tests fail / no tests; failed (why)")
     events_url = serializers.SerializerMethodField()
     patch_url = serializers.SerializerMethodField()
     websocket_path = serializers.SerializerMethodField()
@@ -75,7 +76,8 @@ class TaskOutput(serializers.ModelSerializer):
         model = AgentTask
         fields = (
             "id", "public_id", "source", "owner", "team", "repository_id", "repository_label", "repo_kind", "prompt",
-            "backend", "model_name", "limits", "policy_options", "status", "status_reason", "attempt", "last_seq",
+            "backend", "model_name", "limits", "policy_options", "status", "status_reason", "outcome", "verdict",
+            "test_command", "test_summary", "test_output", "attempt", "last_seq",
             "created_at", "started_at", "finished_at", "final_message", "turns", "prompt_tokens", "completion_tokens",
             "experiment_name", "training_step", "reward", "advantage", "events_url", "patch_url", "websocket_path",
         )
@@ -148,7 +150,7 @@ class TaskListApi(APIView):
     @extend_schema(
         responses=TaskOutput(many=True), summary="Tasks and rollouts you may see",
         parameters=[OpenApiParameter(name, str, required=False) for name in
-                    ("status", "source", "model", "repository", "experiment", "tool", "reward_min", "reward_max",
+                    ("status", "outcome", "source", "model", "repository", "experiment", "tool", "reward_min", "reward_max",
                      "date_from", "date_to", "q")],
     )
     def get(self, request):

@@ -37,11 +37,12 @@ from webapp.agents.selectors import (
 )
 from webapp.core.consumers import DirectDispatchMixin
 from webapp.core.fanout import GroupFanout
+from webapp.core.metrics import observe_live_message
 
 logger = logging.getLogger(__name__)
 
 BACKLOG_PAGE = 500
-TASK_EVENTS_FANOUT = GroupFanout(LIVE_CHANNEL_LAYER)
+TASK_EVENTS_FANOUT = GroupFanout(LIVE_CHANNEL_LAYER, on_message=observe_live_message)
 
 
 @database_sync_to_async

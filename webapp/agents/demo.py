@@ -28,5 +28,6 @@ def demo_seed(*, user) -> str:
         task = task_create(owner=user, team=team, repository=repository, prompt=DEMO_PROMPT,
                            backend=AgentTask.Backend.SCRIPTED, enqueue=False)
         outcome = task_run(task_id=task.pk)
-        return f"repository '{repository.name}' at {path}; demo task {task.pk}: {outcome}"
+        task.refresh_from_db()
+        return f"repository '{repository.name}' at {path}; demo task {task.pk}: {outcome}; {task.verdict}"
     return f"repository '{repository.name}' at {path}; demo task {finished.pk} already present"

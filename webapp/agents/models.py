@@ -42,9 +42,19 @@ class AgentTask(OwnedModel):
     class Status(models.TextChoices):
         QUEUED = "queued"
         RUNNING = "running"
-        SUCCEEDED = "succeeded"
+        # The agent stopped on its own: that alone says nothing about the code; ``outcome`` does.
+        SUCCEEDED = "succeeded", "finished"
         FAILED = "failed"
         CANCELLED = "cancelled"
+
+    class Outcome(models.TextChoices):
+        """The repository's tests, run in the workspace after the agent stopped (webapp.agents.verify)."""
+
+        NONE = "", "not verified"
+        TESTS_PASS = "tests_pass", "tests pass"
+        TESTS_FAIL = "tests_fail", "tests fail"
+        NO_TESTS = "no_tests", "no tests"
+        ERROR = "error", "tests could not run"
 
     class Source(models.TextChoices):
         PRODUCT = "product"
@@ -83,6 +93,11 @@ class AgentTask(OwnedModel):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    outcome = models.CharField(max_length=10, choices=Outcome.choices, blank=True, default="", db_index=True)
+    test_command = models.CharField(max_length=1000, blank=True, help_text="What verified the result.")
+    test_summary = models.CharField(max_length=500, blank=True, help_text="e.g. '12 passed, 1 failed' or why not.")
+    test_output = models.TextField(blank=True, help_text="The end of the test run's output.")
+
     final_message = models.TextField(blank=True)
     diff = models.TextField(blank=True)
     messages = models.JSONField(default=list, blank=True, help_text="OpenAI message list of the final context.")
@@ -104,6 +119,15 @@ class AgentTask(OwnedModel):
     @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
+
+    @property
+    def verdict(self) -> str:
+        """What a person reads: "finished, tests pass" / "... tests fail" / "... no tests" / "failed (why)"."""
+        if self.status == self.Status.SUCCEEDED:
+            return f"finished, {self.get_outcome_display()}"
+        if self.status == self.Status.FAILED:
+            return f"failed ({self.status_reason})" if self.status_reason else "failed"
+        return self.get_status_display()
 
 
 class TaskEvent(models.Model):

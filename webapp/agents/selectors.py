@@ -46,6 +46,7 @@ def task_list(
     *,
     user,
     status: str | None = None,
+    outcome: str | None = None,
     source: str | None = None,
     model: str | None = None,
     repository: str | None = None,
@@ -62,6 +63,8 @@ def task_list(
     tasks = owned_visible_to(queryset=AgentTask.objects.all(), user=user).select_related("owner")
     if status:
         tasks = tasks.filter(status=status)
+    if outcome:
+        tasks = tasks.filter(outcome=outcome)
     if source:
         tasks = tasks.filter(source=source)
     if model:

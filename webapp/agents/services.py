@@ -121,12 +121,13 @@ def _coalesce_events(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """
     merged: list[tuple[str, dict]] = []
     pending: list[str] = []
-    pending_group, first_seq, last_seq = "", 0, 0
+    pending_group, first_seq, last_seq, first_ts = "", 0, 0, None
 
     def flush() -> None:
         if pending:
             text = '{"type": "events", "events": [' + ", ".join(pending) + "]}"
-            merged.append((pending_group, {"type": "task.event", "seq": first_seq, "last_seq": last_seq, "text": text}))
+            merged.append((pending_group, {"type": "task.event", "seq": first_seq, "last_seq": last_seq, "ts": first_ts,
+                                           "text": text}))
             pending.clear()
 
     for group, message in items:
@@ -137,7 +138,7 @@ def _coalesce_events(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
         if pending and (group != pending_group or message["seq"] != last_seq + 1):
             flush()
         if not pending:
-            pending_group, first_seq = group, message["seq"]
+            pending_group, first_seq, first_ts = group, message["seq"], message.get("ts")
         pending.append(message["event_json"])
         last_seq = message["seq"]
     flush()
@@ -466,7 +467,7 @@ def _event_fields(kind: str, payload: dict) -> tuple[dict, str, str]:
 
 def _publish_event_on_commit(*, task_id: int, wire: dict) -> None:
     # Serialised once here instead of once per viewer: a task may have hundreds of viewers.
-    message = {"type": "task.event", "seq": wire["seq"], "event_json": json.dumps(wire)}
+    message = {"type": "task.event", "seq": wire["seq"], "ts": wire["ts"], "event_json": json.dumps(wire)}
     transaction.on_commit(lambda: _publish(task_id=task_id, message=message))
 
 
@@ -599,6 +600,7 @@ def task_run(*, task_id: int) -> str:
     from sandboxes import get_backend
     from sandboxes.base import RepoSource, SandboxError, SandboxLimits
     from training.agent.loop import AgentStopped, run_agent
+    from webapp.agents import verify
 
     claimed = task_claim(task_id=task_id)
     if claimed is None:
@@ -647,6 +649,9 @@ def task_run(*, task_id: int) -> str:
 
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
                            should_stop=should_stop, first_seq=task.last_seq + 1)
+        if result.status == AgentTask.Status.SUCCEEDED:  # the loop stopped: do the tests pass?
+            verify.task_verify(task=task, claim_token=token, sandbox=sandbox, diff=result.diff, turn=result.turns,
+                               on_event=on_event)
         finished = task_finish(task_id=task_id, claim_token=token, result=result)
         return f"{result.status}: {result.reason}" if finished else "claim lost to another worker"
     except Exception as exc:

@@ -58,12 +58,17 @@ def task_filters_from(params) -> dict:
     status = text("status")
     if status and status not in AgentTask.Status.values:
         raise ValueError(f"status must be one of {', '.join(AgentTask.Status.values)}, got {status[:60]!r}")
+    outcome = text("outcome")
+    if outcome and outcome not in AgentTask.Outcome.values:
+        raise ValueError(
+            f"outcome must be one of {', '.join(v for v in AgentTask.Outcome.values if v)}, got {outcome[:60]!r}"
+        )
     source = text("source")
     if source and source not in AgentTask.Source.values:
         raise ValueError(f"source must be one of {', '.join(AgentTask.Source.values)}, got {source[:60]!r}")
     return {
-        "status": status, "source": source, "model": text("model"), "repository": text("repository"),
-        "experiment": text("experiment"), "tool": text("tool"),
+        "status": status, "outcome": outcome, "source": source, "model": text("model"),
+        "repository": text("repository"), "experiment": text("experiment"), "tool": text("tool"),
         "reward_min": number("reward_min"), "reward_max": number("reward_max"),
         "date_from": day("date_from"), "date_to": day("date_to"), "search": text("q"),
     }
@@ -152,6 +157,7 @@ def trace_list(request):
     query.pop("page", None)
     return render(request, "agents/trace_list.html", {
         "page": page, "filters": request.GET, "error": error, "statuses": AgentTask.Status.values,
+        "outcomes": [choice for choice in AgentTask.Outcome.choices if choice[0]],
         "tools": TOOL_NAMES, "query": query.urlencode(),
     })
 

@@ -24,8 +24,8 @@ class Member(Protocol):
 
 
 class _Subscription:
-    def __init__(self, layer, group: str) -> None:
-        self.layer, self.group = layer, group
+    def __init__(self, layer, group: str, on_message=None) -> None:
+        self.layer, self.group, self.on_message = layer, group, on_message
         self.members: dict[Member, None] = {}  # a dict keeps the order members joined in
         self.channel: str | None = None
         self.opened = asyncio.ensure_future(self._open())
@@ -39,6 +39,8 @@ class _Subscription:
     async def _read(self) -> None:
         while True:
             message = await self.layer.receive(self.channel)
+            if self.on_message is not None:
+                self.on_message(message)
             for member in tuple(self.members):
                 member.offer(message)
 
@@ -53,8 +55,9 @@ class _Subscription:
 class GroupFanout:
     """Process-local members of the groups of one channel layer (``alias``)."""
 
-    def __init__(self, alias: str) -> None:
-        self.alias = alias
+    def __init__(self, alias: str, on_message=None) -> None:
+        """``on_message(message)`` sees each group message once per process (e.g. for metrics)."""
+        self.alias, self.on_message = alias, on_message
         self._subscriptions: dict[tuple[asyncio.AbstractEventLoop, str], _Subscription] = {}
 
     async def join(self, group: str, member: Member) -> None:
@@ -63,7 +66,8 @@ class GroupFanout:
         key = (asyncio.get_running_loop(), group)
         subscription = self._subscriptions.get(key)
         if subscription is None:
-            subscription = self._subscriptions[key] = _Subscription(get_channel_layer(self.alias), group)
+            subscription = self._subscriptions[key] = _Subscription(get_channel_layer(self.alias), group,
+                                                                         self.on_message)
         subscription.members[member] = None
         try:
             # Shielded: a joiner that goes away must not cancel the subscription others wait for.
