@@ -124,6 +124,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--speed-rounds", type=int, default=4, help="interleaved reference/fast rounds")
     parser.add_argument("--snapshot-chunks", type=int, default=20_000, help="size of the fresh-snapshot test")
     parser.add_argument("--skip-snapshot", action="store_true", help="skip the fresh-snapshot timing")
+    parser.add_argument("--snapshot-max-wait", type=float, default=3600.0, help="stop waiting for semantic after")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     return parser.parse_args()
 
@@ -233,7 +234,8 @@ def main() -> int:
         speed.update(fresh_snapshot_timing(target_chunks=args.snapshot_chunks, backend=args.fast_backend,
                                            max_seq_length=args.fast_max_seq_length,
                                            encoder_cache=Path(args.encoder_cache),
-                                           reference_rate=speed["index_reference_chunks_per_s"]))
+                                           reference_rate=speed["index_reference_chunks_per_s"],
+                                           max_wait_s=args.snapshot_max_wait))
     if args.pgvector:
         encoder = load_encoder(path=default_encoder_path(), max_seq_length=REFERENCE_MAX_SEQ_LENGTH)
         sample = [query_texts[i % len(query_texts)] for i in range(args.latency_queries)]

@@ -82,7 +82,7 @@ class TorchTextEncoder:
 
     @property
     def dimension(self) -> int:
-        return int(self.model.get_sentence_embedding_dimension())
+        return int(self.model.get_embedding_dimension())
 
     def encode(
         self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None

@@ -39,10 +39,11 @@ def _check_architecture(model: SentenceTransformer) -> None:
             f"the ONNX encoder backend supports Transformer + Pooling (+ Normalize) models, not {names}; "
             "set SEMANTIC_ENCODER_BACKEND=torch for this model"
         )
-    pooling = model[1]
-    if pooling.get_pooling_mode_str() != "mean":
+    pooling = model[1].get_config_dict()
+    mode = pooling.get("pooling_mode") or ("mean" if pooling.get("pooling_mode_mean_tokens") else "other")
+    if mode != "mean" or not pooling.get("include_prompt", True):
         raise SemanticSearchError(
-            f"the ONNX encoder backend supports mean pooling, not {pooling.get_pooling_mode_str()!r}; "
+            f"the ONNX encoder backend supports mean pooling over every token, not {pooling}; "
             "set SEMANTIC_ENCODER_BACKEND=torch for this model"
         )
 
@@ -126,7 +127,7 @@ class OnnxTextEncoder:
         )
         self._tokenizer = model.tokenizer
         self._max_seq_length = max_seq_length
-        self._dimension = int(model.get_sentence_embedding_dimension())
+        self._dimension = int(model.get_embedding_dimension())
         self.name = onnx_path.name
 
     @property

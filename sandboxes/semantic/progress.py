@@ -104,3 +104,10 @@ def index_progress_summary(*, index_root: Path) -> dict[str, float]:
     summary["building_chunks_done"] = sum(row.chunks_done for row in building)
     summary["building_chunks_total"] = sum(row.chunks_total for row in building)
     return summary
+
+
+def semantic_index_metrics() -> dict[str, float]:
+    """The deployment's index-build figures for ``/metrics`` (``index_progress_summary`` of its index root)."""
+    from sandboxes.semantic.config import SemanticSearchConfig
+
+    return index_progress_summary(index_root=SemanticSearchConfig.from_environment().index_root)
