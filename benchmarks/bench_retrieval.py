@@ -124,6 +124,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--speed-rounds", type=int, default=4, help="interleaved reference/fast rounds")
     parser.add_argument("--snapshot-chunks", type=int, default=20_000, help="size of the fresh-snapshot test")
     parser.add_argument("--skip-snapshot", action="store_true", help="skip the fresh-snapshot timing")
+    parser.add_argument("--skip-speed", action="store_true", help="skip the interleaved indexing-speed rounds")
+    parser.add_argument("--skip-reference-quality", action="store_true",
+                        help="measure retrieval on the fast path only (the reference rows are in BENCHMARKS.md)")
     parser.add_argument("--snapshot-max-wait", type=float, default=3600.0, help="stop waiting for semantic after")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     return parser.parse_args()
@@ -146,15 +149,17 @@ def _quality(*, args, retrieval_set, query_texts) -> tuple[dict[str, dict], dict
     vectors: dict[str, np.ndarray] = {}
     fast_label = f"{args.fast_backend}, {args.fast_max_seq_length} tokens"
     for name, path in encoders.items():
-        for label, encoder in ((f"reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens", _reference_encoder(path)),
-                               (f"fast: {fast_label}", _fast_encoder(path, args))):
+        paths = [(f"fast: {fast_label}", _fast_encoder(path, args))]
+        if not args.skip_reference_quality:
+            paths.insert(0, (f"reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens", _reference_encoder(path)))
+        for label, encoder in paths:
             metrics, vectors[f"{name} [{label}]"], _ = _encoder_run(
                 encoder=encoder, retrieval_set=retrieval_set, batch_size=args.batch_size)
             results[f"{name} [{label}]"] = metrics.__dict__
     print("\n| retriever | recall@1 | recall@5 | recall@10 | MRR@10 |\n|---|---|---|---|---|")
     for name, metrics in results.items():
         print(_row(name, RetrievalMetrics(**metrics)))
-    for name in encoders:
+    for name in encoders if not args.skip_reference_quality else ():
         before = results[f"{name} [reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens]"]
         after = results[f"{name} [fast: {fast_label}]"]
         print(f"{name}: fast - reference recall@5 {(after['recall_at_5'] - before['recall_at_5']) * 100:+.1f} "
@@ -216,9 +221,11 @@ def main() -> int:
     # --- indexing speed first, while nothing else of this run has warmed caches -------------
     sample_rows = np.random.default_rng(0).permutation(len(retrieval_set.chunks))[:args.speed_chunks]
     texts = [retrieval_set.chunks[row].embedding_text() for row in sorted(sample_rows)]
-    speed = _indexing_speed(reference=_reference_encoder(default_encoder_path()),
-                            fast=_fast_encoder(default_encoder_path(), args), texts=texts,
-                            rounds=args.speed_rounds, batch_size=args.batch_size)
+    speed: dict[str, float] = {"index_reference_chunks_per_s": float("nan")}
+    if not args.skip_speed:
+        speed = _indexing_speed(reference=_reference_encoder(default_encoder_path()),
+                                fast=_fast_encoder(default_encoder_path(), args), texts=texts,
+                                rounds=args.speed_rounds, batch_size=args.batch_size)
     started = time.perf_counter()
     bm25_ranker(retrieval_set.chunks)
     speed["bm25_index_chunks_per_s"] = len(retrieval_set.chunks) / (time.perf_counter() - started)
