@@ -144,6 +144,11 @@ class SemanticSearchConfig:
             "encoder_cache_dir": Path(sandbox_root) / "semantic-encoders",
             "vector_store": setting("SEMANTIC_VECTOR_STORE") or "auto",
         }
+        background = setting("SEMANTIC_BACKGROUND_INDEXING")
+        if background is not None:
+            if background.lower() not in ("1", "0", "true", "false"):
+                raise SemanticSearchError(f"SEMANTIC_BACKGROUND_INDEXING must be true or false, got {background!r}")
+            kwargs["background_indexing"] = background.lower() in ("1", "true")
         backend = setting("SEMANTIC_ENCODER_BACKEND")
         if backend:
             kwargs["encoder_backend"] = backend
