@@ -1,11 +1,15 @@
 """Code retrieval quality and speed: BM25, grep-style keywords, the base encoder, our fine-tuned encoder.
 
 Quality: queries are docstring summaries of held-out stdlib functions; the indexed code has every
-docstring removed (see ``training/embeddings/evaluation.py``). Speed: query latency on a 50k-chunk
-index (in process, and pgvector when available) against BM25 on the same 50k chunks, and indexing
-throughput (chunk + encode) against BM25 indexing.
+docstring removed (see ``training/embeddings/evaluation.py``). Each encoder is measured twice: on the
+reference path (sentence-transformers on torch, 256 word pieces, what indexes used before issue 53)
+and on the fast path the index now uses (``--fast-backend``, ``--fast-max-seq-length``). Speed:
+indexing throughput of both paths on the same chunks, interleaved in this run (the machine is shared,
+so only their ratio is stable); query latency on a 50k-chunk index (in process, and pgvector when
+available) against BM25 on the same 50k chunks; and the time until a fresh snapshot of ~20k chunks
+answers its first search (BM25 while the index builds in the background) and until it is semantic.
 
-    .venv/bin/python benchmarks/bench_retrieval.py --finetuned var/embeddings/code-search --pgvector
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_retrieval.py --finetuned var/embeddings/code-search --pgvector
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from sandboxes.semantic.config import default_encoder_path
-from sandboxes.semantic.encoder import encode_texts, load_encoder
+from sandboxes.semantic.config import SemanticSearchConfig, default_encoder_path
+from sandboxes.semantic.encoder import TorchTextEncoder, encode_texts, load_encoder, text_encoder_load
 from sandboxes.semantic.index import INDEX_VECTOR_DTYPE, ChunkTable
 from sandboxes.semantic.stores import MemoryVectorStore, PgVectorStore, pgvector_available
 from training.embeddings.evaluation import (
@@ -46,19 +50,48 @@ def _row(name: str, metrics: RetrievalMetrics) -> str:
     )
 
 
-def _encoder_run(*, path: str, retrieval_set, batch_size: int) -> tuple[RetrievalMetrics, np.ndarray, float]:
-    encoder = load_encoder(path=path, max_seq_length=256)
-    encode_texts(encoder=encoder, texts=["warm up"], batch_size=1)
+REFERENCE_MAX_SEQ_LENGTH = 256
+
+
+def _reference_encoder(path: str) -> TorchTextEncoder:
+    return TorchTextEncoder(load_encoder(path=path, max_seq_length=REFERENCE_MAX_SEQ_LENGTH))
+
+
+def _fast_encoder(path: str, args):
+    config = SemanticSearchConfig(encoder_path=path, encoder_backend=args.fast_backend,
+                                  max_seq_length=args.fast_max_seq_length, encoder_cache_dir=Path(args.encoder_cache))
+    return text_encoder_load(config=config)
+
+
+def _encoder_run(*, encoder, retrieval_set, batch_size: int) -> tuple[RetrievalMetrics, np.ndarray, float]:
+    encoder.encode(["warm up"], batch_size=1)
     started = time.perf_counter()
-    vectors = encode_texts(
-        encoder=encoder, texts=[chunk.embedding_text() for chunk in retrieval_set.chunks], batch_size=batch_size
-    )
+    vectors = encoder.encode([chunk.embedding_text() for chunk in retrieval_set.chunks], batch_size=batch_size)
     throughput = len(retrieval_set.chunks) / (time.perf_counter() - started)
-    rank_all = dense_ranker(
-        vectors, lambda queries: encode_texts(encoder=encoder, texts=queries, batch_size=batch_size)
-    )
+    rank_all = dense_ranker(vectors, lambda queries: encoder.encode(queries, batch_size=batch_size))
     rankings = rank_all([query.text for query in retrieval_set.queries])
     return retrieval_metrics(queries=retrieval_set.queries, rankings=rankings), vectors, throughput
+
+
+def _indexing_speed(*, reference, fast, texts: list[str], rounds: int, batch_size: int) -> dict[str, float]:
+    """Chunks/s of both paths on the same texts, alternating which goes first, one warm-up each."""
+    rates: dict[str, list[float]] = {"reference": [], "fast": []}
+    for encoder in (reference, fast):
+        encoder.encode(texts[:batch_size], batch_size=batch_size)
+    for round_number in range(rounds):
+        pair = [("reference", reference), ("fast", fast)]
+        for name, encoder in pair if round_number % 2 == 0 else pair[::-1]:
+            started = time.perf_counter()
+            encoder.encode(texts, batch_size=batch_size)
+            rates[name].append(len(texts) / (time.perf_counter() - started))
+            print(f"  round {round_number + 1} {name}: {rates[name][-1]:.1f} chunks/s", flush=True)
+    reference_rate, fast_rate = float(np.median(rates["reference"])), float(np.median(rates["fast"]))
+    ratios = [f / r for f, r in zip(rates["fast"], rates["reference"], strict=True)]
+    print(f"indexing ({len(texts)} chunks x {rounds} interleaved rounds, median): reference {reference_rate:.1f} "
+          f"chunks/s, fast {fast_rate:.1f} chunks/s, ratio {fast_rate / reference_rate:.1f}x "
+          f"(per round {', '.join(f'{ratio:.1f}x' for ratio in ratios)}); load {os.getloadavg()[0]:.2f}")
+    return {"index_reference_chunks_per_s": reference_rate, "index_fast_chunks_per_s": fast_rate,
+            "index_speedup": fast_rate / reference_rate, "index_speedup_min_round": min(ratios)}
 
 
 def _large_index(vectors: np.ndarray, size: int, seed: int) -> np.ndarray:
@@ -74,7 +107,7 @@ def _percentile(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples) * 1000.0, q))
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--finetuned", default="var/embeddings/code-search", help="fine-tuned encoder directory")
     parser.add_argument("--queries", type=int, default=400)
@@ -83,93 +116,138 @@ def main() -> int:
     parser.add_argument("--pgvector", action="store_true", help="also time pgvector (needs PostgreSQL + vector)")
     parser.add_argument("--dsn", default="host=127.0.0.1 user=postgres dbname=postgres")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--fast-backend", default=SemanticSearchConfig.encoder_backend,
+                        choices=("torch", "onnx", "onnx-int8"), help="the indexing fast path's backend")
+    parser.add_argument("--fast-max-seq-length", type=int, default=SemanticSearchConfig.max_seq_length)
+    parser.add_argument("--encoder-cache", default="var/sandboxes/semantic-encoders", help="ONNX export cache")
+    parser.add_argument("--speed-chunks", type=int, default=512, help="chunks timed per round (fixed sample)")
+    parser.add_argument("--speed-rounds", type=int, default=4, help="interleaved reference/fast rounds")
+    parser.add_argument("--snapshot-chunks", type=int, default=20_000, help="size of the fresh-snapshot test")
+    parser.add_argument("--skip-snapshot", action="store_true", help="skip the fresh-snapshot timing")
+    parser.add_argument("--skip-speed", action="store_true", help="skip the interleaved indexing-speed rounds")
+    parser.add_argument("--skip-reference-quality", action="store_true",
+                        help="measure retrieval on the fast path only (the reference rows are in BENCHMARKS.md)")
+    parser.add_argument("--snapshot-max-wait", type=float, default=3600.0, help="stop waiting for semantic after")
     parser.add_argument("--json", default=None, help="write the figures to this file")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    import torch
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    retrieval_set = retrieval_set_build(files=held_out_files(), max_queries=args.queries, seed=0)
-    query_texts = [query.text for query in retrieval_set.queries]
-    print(f"held-out set: {len(retrieval_set.chunks)} chunks, {len(retrieval_set.queries)} queries "
-          f"(stdlib modules, docstrings removed from the indexed code)")
-
+def _quality(*, args, retrieval_set, query_texts) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
     results: dict[str, dict] = {}
-    started = time.perf_counter()
     bm25 = bm25_ranker(retrieval_set.chunks)
-    bm25_index_rate = len(retrieval_set.chunks) / (time.perf_counter() - started)
     results["BM25"] = retrieval_metrics(queries=retrieval_set.queries, rankings=[bm25(q) for q in query_texts]).__dict__
     keywords = keyword_ranker(retrieval_set.chunks)
     results["grep keywords"] = retrieval_metrics(
         queries=retrieval_set.queries, rankings=[keywords(q) for q in query_texts]
     ).__dict__
-
-    base_metrics, base_vectors, base_rate = _encoder_run(
-        path=default_encoder_path(), retrieval_set=retrieval_set, batch_size=args.batch_size
-    )
-    results["base MiniLM-L6-v2"] = base_metrics.__dict__
+    encoders = {"base MiniLM-L6-v2": default_encoder_path()}
     finetuned = Path(args.finetuned)
     if (finetuned / "modules.json").is_file():
-        tuned_metrics, _, _ = _encoder_run(path=str(finetuned), retrieval_set=retrieval_set, batch_size=args.batch_size)
-        results["fine-tuned (ours)"] = tuned_metrics.__dict__
+        encoders["fine-tuned (ours)"] = str(finetuned)
     else:
         print(f"no fine-tuned encoder at {finetuned}: run `manage.py train_embeddings --output {finetuned}` first")
-
+    vectors: dict[str, np.ndarray] = {}
+    fast_label = f"{args.fast_backend}, {args.fast_max_seq_length} tokens"
+    for name, path in encoders.items():
+        paths = [(f"fast: {fast_label}", _fast_encoder(path, args))]
+        if not args.skip_reference_quality:
+            paths.insert(0, (f"reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens", _reference_encoder(path)))
+        for label, encoder in paths:
+            metrics, vectors[f"{name} [{label}]"], _ = _encoder_run(
+                encoder=encoder, retrieval_set=retrieval_set, batch_size=args.batch_size)
+            results[f"{name} [{label}]"] = metrics.__dict__
     print("\n| retriever | recall@1 | recall@5 | recall@10 | MRR@10 |\n|---|---|---|---|---|")
     for name, metrics in results.items():
         print(_row(name, RetrievalMetrics(**metrics)))
-    base_r5 = results["base MiniLM-L6-v2"]["recall_at_5"]
-    print(f"\nbase - BM25 recall@5: {(base_r5 - results['BM25']['recall_at_5']) * 100:+.1f} points (target >= +10)")
-    if "fine-tuned (ours)" in results:
-        gain = (results["fine-tuned (ours)"]["recall_at_5"] - base_r5) * 100
-        print(f"fine-tuned - base recall@5: {gain:+.1f} points (target >= +5)")
+    for name in encoders if not args.skip_reference_quality else ():
+        before = results[f"{name} [reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens]"]
+        after = results[f"{name} [fast: {fast_label}]"]
+        print(f"{name}: fast - reference recall@5 {(after['recall_at_5'] - before['recall_at_5']) * 100:+.1f} "
+              f"points, MRR@10 {(after['mrr_at_10'] - before['mrr_at_10']) * 100:+.1f} points (bound: within 0.5)")
+    base_r5 = results[f"base MiniLM-L6-v2 [fast: {fast_label}]"]["recall_at_5"]
+    print(f"\nbase (fast) - BM25 recall@5: {(base_r5 - results['BM25']['recall_at_5']) * 100:+.1f} points (target >= +10)")
+    if "fine-tuned (ours)" in encoders:
+        gain = (results[f"fine-tuned (ours) [fast: {fast_label}]"]["recall_at_5"] - base_r5) * 100
+        print(f"fine-tuned - base recall@5 (fast path): {gain:+.1f} points (target >= +5)")
+    return results, vectors
 
-    # --- speed -----------------------------------------------------------------------------
-    speed: dict[str, float] = {
-        "index_chunks_per_s": base_rate,
-        "bm25_index_chunks_per_s": bm25_index_rate,
-    }
-    print(f"\nindexing: {base_rate:.1f} chunks/s (chunk text -> MiniLM vectors, 2 CPU threads); "
-          f"BM25 indexing {bm25_index_rate:.0f} chunks/s; ratio {base_rate / bm25_index_rate:.4f}x")
 
+def _query_latency(*, args, base_vectors, retrieval_set, query_texts) -> tuple[dict[str, float], ChunkTable]:
     large = _large_index(base_vectors, args.latency_chunks, seed=0)
     chunks = [retrieval_set.chunks[row % len(retrieval_set.chunks)] for row in range(args.latency_chunks)]
     table = ChunkTable(chunks=chunks, vectors=large)
     store = MemoryVectorStore(table)
-    encoder = load_encoder(path=default_encoder_path(), max_seq_length=256)
     sample = [query_texts[i % len(query_texts)] for i in range(args.latency_queries)]
-    end_to_end, search_only = [], []
-    for text in sample:
-        t0 = time.perf_counter()
-        vector = encode_texts(encoder=encoder, texts=[text], batch_size=1)[0]
-        t1 = time.perf_counter()
-        store.search(query=vector, k=10, exclude_paths=frozenset())
-        t2 = time.perf_counter()
-        end_to_end.append(t2 - t0)
-        search_only.append(t2 - t1)
-    speed.update(
-        memory_query_p50_ms=_percentile(end_to_end, 50),
-        memory_query_p95_ms=_percentile(end_to_end, 95),
-        memory_search_only_p50_ms=_percentile(search_only, 50),
-    )
-
-    bm25_large_started = time.perf_counter()
+    speed: dict[str, float] = {}
+    for name, encoder in (("reference", _reference_encoder(default_encoder_path())),
+                          ("fast", _fast_encoder(default_encoder_path(), args))):
+        end_to_end, search_only = [], []
+        for text in sample:
+            t0 = time.perf_counter()
+            vector = encoder.encode([text], batch_size=1)[0]
+            t1 = time.perf_counter()
+            store.search(query=vector, k=10, exclude_paths=frozenset())
+            t2 = time.perf_counter()
+            end_to_end.append(t2 - t0)
+            search_only.append(t2 - t1)
+        speed[f"{name}_query_p50_ms"] = _percentile(end_to_end, 50)
+        speed[f"{name}_query_p95_ms"] = _percentile(end_to_end, 95)
+        speed[f"{name}_search_only_p50_ms"] = _percentile(search_only, 50)
     bm25_large = bm25_ranker(chunks)
-    speed["bm25_50k_build_s"] = time.perf_counter() - bm25_large_started
     bm25_times = []
     for text in sample[:20]:
         t0 = time.perf_counter()
         bm25_large(text)
         bm25_times.append(time.perf_counter() - t0)
     speed["bm25_query_p50_ms"] = _percentile(bm25_times, 50)
-    print(f"query latency on {args.latency_chunks} chunks, in process: p50 {speed['memory_query_p50_ms']:.1f} ms "
-          f"(encode + search; search alone {speed['memory_search_only_p50_ms']:.1f} ms), "
-          f"p95 {speed['memory_query_p95_ms']:.1f} ms; BM25 p50 {speed['bm25_query_p50_ms']:.1f} ms; "
-          f"ratio BM25/ours {speed['bm25_query_p50_ms'] / speed['memory_query_p50_ms']:.1f}x")
+    print(f"query latency on {args.latency_chunks} chunks, in process (encode + search): fast path p50 "
+          f"{speed['fast_query_p50_ms']:.1f} ms, p95 {speed['fast_query_p95_ms']:.1f} ms; reference path p50 "
+          f"{speed['reference_query_p50_ms']:.1f} ms; search alone {speed['fast_search_only_p50_ms']:.1f} ms; "
+          f"BM25 p50 {speed['bm25_query_p50_ms']:.1f} ms")
+    return speed, table
 
+
+def main() -> int:
+    args = _parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+    retrieval_set = retrieval_set_build(files=held_out_files(), max_queries=args.queries, seed=0)
+    query_texts = [query.text for query in retrieval_set.queries]
+    print(f"held-out set: {len(retrieval_set.chunks)} chunks, {len(retrieval_set.queries)} queries "
+          f"(stdlib modules, docstrings removed from the indexed code)")
+
+    # --- indexing speed first, while nothing else of this run has warmed caches -------------
+    sample_rows = np.random.default_rng(0).permutation(len(retrieval_set.chunks))[:args.speed_chunks]
+    texts = [retrieval_set.chunks[row].embedding_text() for row in sorted(sample_rows)]
+    speed: dict[str, float] = {"index_reference_chunks_per_s": float("nan")}
+    if not args.skip_speed:
+        speed = _indexing_speed(reference=_reference_encoder(default_encoder_path()),
+                                fast=_fast_encoder(default_encoder_path(), args), texts=texts,
+                                rounds=args.speed_rounds, batch_size=args.batch_size)
+    started = time.perf_counter()
+    bm25_ranker(retrieval_set.chunks)
+    speed["bm25_index_chunks_per_s"] = len(retrieval_set.chunks) / (time.perf_counter() - started)
+
+    results, vectors = _quality(args=args, retrieval_set=retrieval_set, query_texts=query_texts)
+    base_vectors = next(value for key, value in vectors.items() if key.startswith("base") and "[fast" in key)
+    latency, table = _query_latency(args=args, base_vectors=base_vectors, retrieval_set=retrieval_set,
+                                    query_texts=query_texts)
+    speed.update(latency)
+    if not args.skip_snapshot:
+        from benchmarks.bench_retrieval_snapshot import fresh_snapshot_timing
+
+        speed.update(fresh_snapshot_timing(target_chunks=args.snapshot_chunks, backend=args.fast_backend,
+                                           max_seq_length=args.fast_max_seq_length,
+                                           encoder_cache=Path(args.encoder_cache),
+                                           reference_rate=speed["index_reference_chunks_per_s"],
+                                           max_wait_s=args.snapshot_max_wait))
     if args.pgvector:
+        encoder = load_encoder(path=default_encoder_path(), max_seq_length=REFERENCE_MAX_SEQ_LENGTH)
+        sample = [query_texts[i % len(query_texts)] for i in range(args.latency_queries)]
         speed.update(_pgvector_latency(dsn=args.dsn, table=table, encoder=encoder, sample=sample))
-
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"quality": results, "speed": speed}, indent=2))
     return 0

@@ -1,4 +1,4 @@
-"""Sentence-transformers encoders, loaded offline and once per process.
+"""Sentence-transformers encoders, loaded offline and once per process, run by torch or ONNX Runtime.
 
 The hub is forced offline before the library is imported so that a missing local file is an error,
 never a download at run time.
@@ -10,13 +10,15 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from sandboxes.semantic.config import SemanticSearchError
+from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sentence_transformers import SentenceTransformer
 
 _LOCK = threading.Lock()
@@ -68,3 +70,71 @@ def encode_texts(*, encoder: SentenceTransformer, texts: list[str], batch_size: 
         texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
     )
     return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+class TorchTextEncoder:
+    """The reference path: sentence-transformers on torch (it sorts each call's texts by length)."""
+
+    name = "torch"
+
+    def __init__(self, model: SentenceTransformer) -> None:
+        self.model = model
+
+    @property
+    def dimension(self) -> int:
+        return int(self.model.get_embedding_dimension())
+
+    def encode(
+        self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
+    ) -> np.ndarray:
+        if progress is None:
+            return encode_texts(encoder=self.model, texts=texts, batch_size=batch_size)
+        step = batch_size * 16
+        parts = []
+        for start in range(0, len(texts), step):
+            parts.append(encode_texts(encoder=self.model, texts=texts[start:start + step], batch_size=batch_size))
+            progress(len(parts[-1]))
+        return np.concatenate(parts) if parts else encode_texts(encoder=self.model, texts=[], batch_size=1)
+
+
+class TextEncoder(Protocol):
+    name: str
+
+    @property
+    def dimension(self) -> int: ...
+
+    def encode(
+        self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
+    ) -> np.ndarray:
+        """Unit-normalised float32 rows, one per text; ``progress(n)`` after every ``n`` texts done."""
+
+
+_TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
+
+
+def encoder_tag(config: SemanticSearchConfig) -> str:
+    """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
+    return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}-s{config.max_seq_length}"
+
+
+def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:
+    """The encoder ``config`` asks for, loaded once per process; the ONNX export is cached under the index root."""
+    model = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
+    if config.encoder_backend == "torch":
+        return TorchTextEncoder(model)
+    cache_dir = Path(config.encoder_cache_dir) / encoder_fingerprint(config.encoder_path)
+    key = (str(Path(config.encoder_path).resolve()), config.max_seq_length, config.encoder_backend, str(cache_dir))
+    with _LOCK:
+        encoder = _TEXT_ENCODERS.get(key)
+    if encoder is not None:
+        return encoder
+    import torch
+
+    from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
+
+    onnx_path = onnx_model_path(model=model, cache_dir=cache_dir, backend=config.encoder_backend)
+    encoder = OnnxTextEncoder(
+        model=model, onnx_path=onnx_path, max_seq_length=config.max_seq_length, threads=torch.get_num_threads()
+    )
+    with _LOCK:
+        return _TEXT_ENCODERS.setdefault(key, encoder)

@@ -30,7 +30,8 @@ from sandboxes.semantic.chunking import (
     is_indexable_path,
 )
 from sandboxes.semantic.config import SemanticSearchConfig
-from sandboxes.semantic.encoder import encode_texts, encoder_fingerprint, load_encoder
+from sandboxes.semantic.encoder import encoder_tag, text_encoder_load
+from sandboxes.semantic.progress import IndexProgressWriter
 
 INDEX_FORMAT_VERSION = 2
 # Stored vectors are float16: half the bytes to memory-map and scan per query, and cosine scores
@@ -77,14 +78,20 @@ def chunks_for_files(*, files: Iterable[tuple[str, bytes]], config: SemanticSear
     return chunks
 
 
-def table_build(*, files: Iterable[tuple[str, bytes]], config: SemanticSearchConfig) -> ChunkTable:
-    """Chunk and encode ``files`` (relative path, bytes) into a table."""
-    chunks = chunks_for_files(files=files, config=config)
-    encoder = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
-    vectors = encode_texts(
-        encoder=encoder, texts=[chunk.embedding_text() for chunk in chunks], batch_size=config.encode_batch_size
+def table_encode(
+    *, chunks: list[Chunk], config: SemanticSearchConfig, progress: Callable[[int], None] | None = None
+) -> ChunkTable:
+    """Encode ``chunks`` with the configured encoder backend into a table."""
+    encoder = text_encoder_load(config=config)
+    vectors = encoder.encode(
+        [chunk.embedding_text() for chunk in chunks], batch_size=config.encode_batch_size, progress=progress
     )
     return ChunkTable(chunks=chunks, vectors=vectors)
+
+
+def table_build(*, files: Iterable[tuple[str, bytes]], config: SemanticSearchConfig) -> ChunkTable:
+    """Chunk and encode ``files`` (relative path, bytes) into a table."""
+    return table_encode(chunks=chunks_for_files(files=files, config=config), config=config)
 
 
 def iter_directory_files(root: Path, *, max_file_bytes: int) -> Iterator[tuple[str, bytes]]:
@@ -113,7 +120,7 @@ def base_index_directory(*, snapshot_id: str, config: SemanticSearchConfig) -> P
     return (
         Path(config.index_root)
         / _safe_component(snapshot_id)
-        / f"v{INDEX_FORMAT_VERSION}-{encoder_fingerprint(config.encoder_path)}"
+        / f"v{INDEX_FORMAT_VERSION}-{encoder_tag(config)}"
     )
 
 
@@ -159,21 +166,52 @@ class BaseIndex:
     """True when this call built the index (False: loaded from disk)."""
 
 
-def base_index_load_or_build(
-    *, snapshot_id: str, files: Callable[[], Iterable[tuple[str, bytes]]], config: SemanticSearchConfig
-) -> BaseIndex:
-    """Load the snapshot's index from disk, building it first (once across processes) if missing.
-
-    ``files`` is called only when a build is needed and yields (relative path, bytes) of the snapshot.
-    """
+def base_index_load(*, snapshot_id: str, config: SemanticSearchConfig) -> BaseIndex | None:
+    """The snapshot's index when it is on disk, else None (never builds)."""
     directory = base_index_directory(snapshot_id=snapshot_id, config=config)
     if (directory / "meta.json").is_file():
         return BaseIndex(snapshot_id, directory, _table_read(directory), built_here=False)
+    return None
+
+
+def base_index_load_or_build(
+    *,
+    snapshot_id: str,
+    files: Callable[[], Iterable[tuple[str, bytes]]],
+    config: SemanticSearchConfig,
+    chunks: list[Chunk] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> BaseIndex:
+    """Load the snapshot's index from disk, building it first (once across processes) if missing.
+
+    ``files`` is called only when a build is needed and yields (relative path, bytes) of the snapshot;
+    ``chunks``, when given, are those files already chunked. ``progress(n)`` follows the encoding, and
+    ``<directory>.progress.json`` shows it to other processes.
+    """
+    directory = base_index_directory(snapshot_id=snapshot_id, config=config)
+    loaded = base_index_load(snapshot_id=snapshot_id, config=config)
+    if loaded is not None:
+        return loaded
     directory.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(directory) + ".lock"):
         if (directory / "meta.json").is_file():
             return BaseIndex(snapshot_id, directory, _table_read(directory), built_here=False)
-        table = table_build(files=files(), config=config)
+        if chunks is None:
+            chunks = chunks_for_files(files=files(), config=config)
+        writer = IndexProgressWriter(
+            directory=directory, snapshot_id=snapshot_id, encoder=encoder_tag(config), chunks_total=len(chunks)
+        )
+
+        def advance(count: int) -> None:
+            writer.advance(count)
+            if progress is not None:
+                progress(count)
+
+        try:
+            table = table_encode(chunks=chunks, config=config, progress=advance)
+        except BaseException as exc:
+            writer.finish(error=f"{type(exc).__name__}: {exc}"[:500])
+            raise
         _table_write(
             table=table,
             directory=directory,
@@ -182,8 +220,10 @@ def base_index_load_or_build(
                 "snapshot_id": snapshot_id,
                 "encoder_path": str(config.encoder_path),
                 "chunks": len(table.chunks),
+                "encoder": encoder_tag(config),
             },
         )
+        writer.finish()
     return BaseIndex(snapshot_id, directory, _table_read(directory), built_here=True)
 
 

@@ -54,11 +54,19 @@ def tiny_repository(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def encoder_cache(tmp_path_factory) -> Path:
+    """One ONNX export per test session (the export is the slow part of the first fast-path encode)."""
+    return tmp_path_factory.mktemp("semantic-encoders")
+
+
 @pytest.fixture
-def search_config(tmp_path: Path):
+def search_config(tmp_path: Path, encoder_cache: Path):
+    """Waits for the index on the first search (``test_background_index.py`` covers the BM25 stand-in)."""
     from sandboxes.semantic.config import SemanticSearchConfig
 
-    return SemanticSearchConfig(index_root=tmp_path / "index", vector_store="memory")
+    return SemanticSearchConfig(index_root=tmp_path / "index", vector_store="memory", encoder_cache_dir=encoder_cache,
+                                background_indexing=False)
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ def backend(request):
 def test_tool_finds_code_and_each_fork_sees_its_own_edit(backend, tiny_repository, settings, tmp_path):
     settings.SEMANTIC_INDEX_ROOT = str(tmp_path / "index")
     settings.SEMANTIC_VECTOR_STORE = "memory"
+    settings.SEMANTIC_BACKGROUND_INDEXING = False  # semantic hits from the first call (BM25 stand-in: test_background_index)
     snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(tiny_repository)))
     forks = backend.sandbox_fork(snapshot=snapshot, count=2, limits=LIMITS)
     try:

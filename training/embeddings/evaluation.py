@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import random
-import re
 import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 
 from sandboxes.semantic.chunking import Chunk, chunk_file
 from sandboxes.semantic.config import ChunkingConfig
+from sandboxes.semantic.lexical import code_tokens
 from training.embeddings.mining import docstring_summary, iter_functions, strip_docstrings
 
 # Stdlib modules used only for evaluation. ``train_embeddings`` mines the rest of the standard library
@@ -114,15 +114,9 @@ def retrieval_set_build(
 
 # --- retrievers -------------------------------------------------------------------------------
 
-_WORD = re.compile(r"[A-Za-z][a-z]+|[A-Z]+(?![a-z])|\d+")
 STOPWORDS = frozenset(
     ["a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "if", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "will", "with", "return", "returns", "given", "into", "which", "when", "not", "can", "should", "used", "use"]
 )
-
-
-def code_tokens(text: str) -> list[str]:
-    """Lower-cased words with identifiers split at ``_`` and camelCase boundaries."""
-    return [token.lower() for token in _WORD.findall(text)]
 
 
 def bm25_ranker(chunks: list[Chunk]) -> Callable[[str], list[int]]:

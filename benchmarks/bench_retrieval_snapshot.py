@@ -1,0 +1,94 @@
+"""Time until a fresh snapshot answers ``semantic_search``: first (BM25) answer, then semantic.
+
+Part of ``bench_retrieval.py``. The snapshot is real code: standard-library files copied into a
+directory until it holds ``target_chunks`` chunks, snapshotted and opened by the local sandbox
+backend, searched through the tool's own entry point with a fresh index root. The encoder is loaded
+(and its ONNX export cached) before the clock starts, as in a worker that has served a task before.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from sandboxes.base import RepoSource, SandboxLimits
+from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+from sandboxes.semantic import SemanticSearchConfig, semantic_search
+from sandboxes.semantic.encoder import text_encoder_load
+from sandboxes.semantic.index import chunks_for_files
+from sandboxes.semantic.progress import index_progress_list
+from training.embeddings.evaluation import stdlib_directory
+
+NOT_READY = "[BM25 keyword results:"
+QUERY = "split a command line string into shell-like tokens"
+
+
+def _copy_code(*, destination: Path, target_chunks: int, config: SemanticSearchConfig) -> int:
+    total = 0
+    for source in sorted(stdlib_directory().rglob("*.py")):
+        relative = source.relative_to(stdlib_directory())
+        if relative.parts[0] in ("site-packages", "dist-packages") or "test" in relative.parts[0]:
+            continue
+        data = source.read_bytes()
+        count = len(chunks_for_files(files=[(relative.as_posix(), data)], config=config))
+        if count == 0:
+            continue
+        target = destination / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        total += count
+        if total >= target_chunks:
+            break
+    return total
+
+
+def fresh_snapshot_timing(
+    *, target_chunks: int, backend: str, max_seq_length: int, encoder_cache: Path, reference_rate: float,
+    max_wait_s: float = 3600.0,
+) -> dict[str, float]:
+    root = Path(tempfile.mkdtemp(prefix="bench-semantic-snapshot-"))
+    root.chmod(0o755)
+    try:
+        config = SemanticSearchConfig(index_root=root / "index", vector_store="memory", encoder_backend=backend,
+                                      max_seq_length=max_seq_length, encoder_cache_dir=encoder_cache,
+                                      background_indexing=True)
+        chunks = _copy_code(destination=root / "repo", target_chunks=target_chunks, config=config)
+        backend_sandboxes = LocalBackend(LocalBackendConfig(root=root / "sandboxes"))
+        snapshot = backend_sandboxes.snapshot_create(source=RepoSource(kind="path", location=str(root / "repo")))
+        sandbox = backend_sandboxes.sandbox_create(snapshot=snapshot, limits=SandboxLimits())
+        text_encoder_load(config=config).encode(["warm up"], batch_size=1)
+        try:
+            started = time.perf_counter()
+            first = semantic_search(sandbox=sandbox, query=QUERY, k=5, config=config)
+            first_s = time.perf_counter() - started
+            answers, text, last_print = 1, first, started
+            while NOT_READY in text and time.perf_counter() - started < max_wait_s:
+                time.sleep(0.5)
+                text = semantic_search(sandbox=sandbox, query=QUERY, k=5, config=config)
+                answers += 1
+                if time.perf_counter() - last_print > 15:
+                    last_print = time.perf_counter()
+                    rows = index_progress_list(index_root=config.index_root)
+                    if rows:
+                        print(f"  {time.perf_counter() - started:.0f} s: {rows[0].chunks_done}/{rows[0].chunks_total}"
+                              " chunks encoded", flush=True)
+            semantic_s = time.perf_counter() - started
+            rows = index_progress_list(index_root=config.index_root)
+            encoded = rows[0].chunks_done if rows else 0
+        finally:
+            sandbox.destroy()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ready = NOT_READY not in text
+    outcome = (f"semantic after {semantic_s:.1f} s ({chunks / semantic_s:.0f} chunks/s end to end" if ready else
+               f"NOT semantic yet when the benchmark stopped waiting at {semantic_s:.0f} s ({encoded} of {chunks} "
+               f"chunks encoded, {encoded / semantic_s:.1f} chunks/s")
+    print(f"fresh snapshot of {chunks} chunks ({backend}, {max_seq_length} tokens): first answer (BM25, "
+          f"{'stand-in' if NOT_READY in first else 'already semantic'}) after {first_s:.2f} s; {outcome}, "
+          f"{answers} searches answered meanwhile); the reference path would need ~{chunks / reference_rate:.0f} s "
+          "before any answer")
+    return {"snapshot_chunks": chunks, "snapshot_first_answer_s": first_s, "snapshot_semantic_s": semantic_s,
+            "snapshot_ready": float(ready), "snapshot_chunks_encoded": encoded,
+            "snapshot_reference_estimate_s": chunks / reference_rate}

@@ -1,0 +1,92 @@
+"""The indexing fast path (ONNX Runtime, length-sorted batches, int8) against the reference path.
+
+The fixed sample is the first 96 chunks of the retrieval benchmark's held-out set (stdlib code with
+its docstrings removed) plus a few short queries, all encoded at the index's sequence length. The
+bounds are the stated contract: fp32 ONNX reproduces sentence-transformers to rounding; int8 moves
+each vector by at most 1 - ``INT8_MIN_COSINE`` (its recall is re-measured in bench_retrieval.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
+from sandboxes.semantic.encoder import encoder_tag, load_encoder, text_encoder_load
+from training.embeddings.evaluation import held_out_files, retrieval_set_build
+
+FP32_MIN_COSINE = 0.9999
+INT8_MIN_COSINE = 0.97
+INT8_MEAN_COSINE = 0.99
+
+
+@pytest.fixture(scope="module")
+def sample_texts() -> list[str]:
+    retrieval_set = retrieval_set_build(files=held_out_files(("textwrap.py", "csv.py", "heapq.py")), max_queries=20,
+                                        seed=0)
+    texts = [chunk.embedding_text() for chunk in retrieval_set.chunks[:96]]
+    return texts + [query.text for query in retrieval_set.queries[:8]] + ["x", "parse a duration like 5m"]
+
+
+def _config(tmp_path, encoder_cache, backend: str) -> SemanticSearchConfig:
+    return SemanticSearchConfig(index_root=tmp_path / "index", vector_store="memory", encoder_cache_dir=encoder_cache,
+                                encoder_backend=backend, max_seq_length=128)
+
+
+def _cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    return np.sum(first * second, axis=1) / (np.linalg.norm(first, axis=1) * np.linalg.norm(second, axis=1))
+
+
+@pytest.mark.parametrize(("backend", "min_cosine", "mean_cosine"),
+                         [("onnx", FP32_MIN_COSINE, FP32_MIN_COSINE), ("onnx-int8", INT8_MIN_COSINE, INT8_MEAN_COSINE)])
+def test_fast_path_vectors_match_the_reference_within_the_bound(
+    tmp_path, encoder_cache, sample_texts, backend, min_cosine, mean_cosine
+):
+    reference = text_encoder_load(config=_config(tmp_path, encoder_cache, "torch"))
+    fast = text_encoder_load(config=_config(tmp_path, encoder_cache, backend))
+    expected = reference.encode(sample_texts, batch_size=16)
+    got = fast.encode(sample_texts, batch_size=16)
+    assert got.shape == expected.shape == (len(sample_texts), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+    cosines = _cosines(got, expected)
+    assert cosines.min() >= min_cosine, (backend, float(cosines.min()))
+    assert cosines.mean() >= mean_cosine, (backend, float(cosines.mean()))
+
+
+def test_length_batching_keeps_each_vector_with_its_text(tmp_path, encoder_cache, sample_texts):
+    """Rows come back in input order whatever the batch size and the order of lengths."""
+    fast = text_encoder_load(config=_config(tmp_path, encoder_cache, "onnx"))
+    whole = fast.encode(sample_texts, batch_size=7)
+    permutation = np.random.default_rng(0).permutation(len(sample_texts))
+    shuffled = fast.encode([sample_texts[i] for i in permutation], batch_size=32)
+    np.testing.assert_allclose(shuffled, whole[permutation], atol=2e-5)
+    one_by_one = np.stack([fast.encode([text], batch_size=1)[0] for text in sample_texts[:5]])
+    np.testing.assert_allclose(one_by_one, whole[:5], atol=2e-5)
+    reported = []
+    fast.encode(sample_texts, batch_size=10, progress=reported.append)
+    assert sum(reported) == len(sample_texts) and len(reported) == int(np.ceil(len(sample_texts) / 10))
+    assert fast.encode([], batch_size=4).shape == (0, 384)
+
+
+def test_backends_and_sequence_lengths_name_different_indexes(tmp_path, encoder_cache):
+    base = _config(tmp_path, encoder_cache, "torch")
+    tags = {encoder_tag(replace(base, encoder_backend=backend, max_seq_length=length))
+            for backend in ("torch", "onnx", "onnx-int8") for length in (128, 256)}
+    assert len(tags) == 6
+    with pytest.raises(SemanticSearchError, match="encoder_backend"):
+        replace(base, encoder_backend="tensorrt")
+
+
+def test_models_the_export_cannot_reproduce_are_refused(tmp_path, encoder_cache):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling
+
+    from sandboxes.semantic.fast_encoder import onnx_model_path
+
+    model = load_encoder(path=SemanticSearchConfig().encoder_path, max_seq_length=128)
+    cls_pooled = SentenceTransformer(modules=[model[0], Pooling(384, pooling_mode="cls")], device="cpu")
+    with pytest.raises(SemanticSearchError, match="mean pooling"):
+        onnx_model_path(model=cls_pooled, cache_dir=tmp_path / "cls", backend="onnx")
+    assert not (tmp_path / "cls" / "model.onnx").exists()
