@@ -13,7 +13,13 @@ import uuid
 
 import pytest
 
-from benchmarks.task_load import Stack, load_run, postgres_database_create, postgres_database_drop, redis_server_start
+from benchmarks.task_load import (
+    Stack,
+    load_run,
+    postgres_database_create,
+    postgres_database_drop,
+    redis_server_start,
+)
 
 
 @pytest.fixture
