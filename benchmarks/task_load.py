@@ -42,7 +42,7 @@ from webapp.agents.models import Repository
 from webapp.agents.services import repository_create
 user = user_create(username="load", password="load-pass-123", team_names=("load",))
 repo = repository_create(owner=user, name="stats-demo", kind=Repository.Kind.PATH, allow_server_path=True,
-                         location=str(write_demo_repository(__import__("pathlib").Path({demo!r}))))
+                         location=str(write_demo_repository(__import__("pathlib").Path(DEMO_PATH))))
 print("SETUP" + json.dumps({"token": Token.objects.get_or_create(user=user)[0].key, "repository": repo.pk}))
 """
 
@@ -140,6 +140,8 @@ class Stack:
         env = {key: value for key, value in os.environ.items() if not key.startswith(("AGENT_", "CELERY_"))}
         env.update({"DATABASE_URL": self.database_url, "REDIS_URL": self.redis_url, "SANDBOX_BACKEND": "local",
                     "FLOWSTATE_STATE_DIR": str(self.state_dir), "FLOWSTATE_PROFILE": "development",
+                    # Sandbox init processes run as an unprivileged uid: their root must be traversable.
+                    "SANDBOX_ROOT": str(ROOT / "var" / "sandboxes"),
                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         env.update(self.env_extra)
         return env
@@ -154,7 +156,7 @@ class Stack:
     def prepare(self) -> None:
         """Migrate the fresh database and create a user with an API token and the demo repository."""
         self.manage("migrate", "--noinput", "-v", "0")
-        out = self.manage("shell", "-c", SETUP_SCRIPT.format(demo=str(self.state_dir / "demo" / "stats-demo")))
+        out = self.manage("shell", "-c", SETUP_SCRIPT.replace("DEMO_PATH", repr(str(self.state_dir / "demo" / "stats-demo"))))
         setup = json.loads(out.split("SETUP", 1)[1].splitlines()[0])
         self.token, self.repository = setup["token"], setup["repository"]
 
