@@ -3,7 +3,7 @@ Redis frozen with SIGSTOP. Each time every task ends in a terminal state within 
 agent runs twice, and nothing of a killed worker lives on.
 
 The stack (``benchmarks/task_load.py``) runs on the embedded default, SQLite, with a private
-redis-server; the sweeper and heartbeat run at test speed (1 s heartbeat, stale after 4 s).
+redis-server; the sweeper and heartbeat run at test speed (1 s heartbeat, stale after 8 s).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from benchmarks.task_load import (
     redis_server_start,
 )
 
-FAST = {"AGENT_HEARTBEAT_S": "1", "AGENT_STALE_AFTER_S": "4", "AGENT_SWEEP_S": "2", "AGENT_QUEUED_GRACE_S": "3"}
-TERMINAL_WITHIN_S = 150
-"""The stated bound: after a fault, every task is terminal this soon (stale 4 s + sweep 2 s + a run)."""
+FAST = {"AGENT_HEARTBEAT_S": "1", "AGENT_STALE_AFTER_S": "8", "AGENT_SWEEP_S": "2", "AGENT_QUEUED_GRACE_S": "3"}
+TERMINAL_WITHIN_S = 300
+"""The stated bound: after a fault, every task is terminal this soon (stale 8 s + sweep 2 s + the runs, on a loaded 2-core machine)."""
 
 
 @pytest.fixture
