@@ -735,20 +735,21 @@ def tasks_recover_stale() -> int:
       sits unacknowledged until the visibility timeout.
 
     Every worker calls it at start and then every ``AGENT_SWEEP_S``. An extra message never starts
-    a second agent: the claim is one conditional UPDATE.
+    a second agent: the claim is one conditional UPDATE. Neither kind is sent again while a message
+    for it waits in the queue.
     """
     from webapp.agents.selectors import broker_waiting_task_ids
 
     now = timezone.now()
     stale = AgentTask.objects.filter(status=AgentTask.Status.RUNNING,
                                      heartbeat_at__lt=now - timedelta(seconds=settings.AGENT_STALE_AFTER_S))
-    ids = list(stale.values_list("pk", flat=True))
     waiting = set(AgentTask.objects.filter(
         status=AgentTask.Status.QUEUED, created_at__lt=now - timedelta(seconds=settings.AGENT_QUEUED_GRACE_S),
     ).values_list("pk", flat=True))
-    if waiting:
-        waiting -= broker_waiting_task_ids()
-    ids += sorted(waiting)
+    candidates = waiting | set(stale.values_list("pk", flat=True))
+    # A task whose message still waits in the queue gets no second one: a busy pool would otherwise
+    # collect a copy per sweep.
+    ids = sorted(candidates - broker_waiting_task_ids()) if candidates else []
     for task_id in ids:
         task_enqueue(task_id=task_id)
     return len(ids)
