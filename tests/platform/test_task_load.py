@@ -62,3 +62,17 @@ def test_fifty_tasks_at_concurrency_ten_on_postgresql_run_exactly_once(tmp_path,
     assert report["rejected"] == [], report
     assert report["problems"] == [], report
     assert report["lost"] == 0 and report["duplicated"] == 0
+
+
+def test_sqlite_connections_use_wal_immediate_transactions_and_a_busy_timeout(tmp_path):
+    """What every process of the embedded default gets on its SQLite connection."""
+    stack = Stack(database_url=f"sqlite:///{tmp_path / 'flowstate.sqlite3'}", redis_url="redis://127.0.0.1:1/0",
+                  state_dir=tmp_path / "state")
+    out = stack.manage("shell", "-c", (
+        "from django.db import connection, transaction\n"
+        "cursor = connection.cursor()\n"
+        "values = [cursor.execute(f'PRAGMA {name}').fetchone()[0] for name in ('journal_mode', 'busy_timeout', 'synchronous')]\n"
+        "with transaction.atomic():\n"
+        "    values.append(connection.connection.in_transaction)\n"
+        "print('PRAGMAS', values, connection.settings_dict['OPTIONS']['transaction_mode'])\n"))
+    assert "PRAGMAS ['wal', 30000, 1, True] IMMEDIATE" in out, out
