@@ -26,7 +26,10 @@ def _remember_the_worker_main_process(**_kwargs) -> None:
 @worker_process_init.connect
 def _die_with_the_worker(**_kwargs) -> None:
     """A pool child is killed when the worker's main process dies (even by SIGKILL), so no orphan
-    keeps running an agent whose task the sweeper hands to another worker."""
+    keeps running an agent whose task the sweeper hands to another worker. The solo pool sends this
+    signal in the main process itself: nothing to do there."""
+    if os.getpid() == _worker_main_pid:
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
