@@ -102,9 +102,19 @@ except Exception as exc:  # django-environ raises several types for malformed UR
 if _db["ENGINE"] not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
     raise ConfigurationError("DATABASE_URL must be a sqlite:// or postgres:// URL")
 if _db["ENGINE"] == "django.db.backends.sqlite3":
-    # Celery workers and the ASGI server write concurrently; WAL plus a busy timeout keeps
-    # SQLite usable for the single-machine embedded default.
-    _db.setdefault("OPTIONS", {}).update({"timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"})
+    # The ASGI server, the Celery worker and its pool, the fleet and experiment drivers write at
+    # once. WAL lets readers run beside the one writer; IMMEDIATE takes the write lock when a
+    # transaction begins, so a reader never has to upgrade to a writer mid-transaction (that
+    # upgrade fails at once with "database is locked", busy timeout or not); the busy timeout
+    # (the `timeout` Django passes to sqlite3, and the pragma for connections made elsewhere)
+    # makes a writer wait its turn instead of failing.
+    SQLITE_BUSY_TIMEOUT_S = env_int("SQLITE_BUSY_TIMEOUT_S", 30, minimum=1)
+    _db.setdefault("OPTIONS", {}).update({
+        "timeout": SQLITE_BUSY_TIMEOUT_S,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": (f"PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; "
+                         f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000};"),
+    })
     # A file (not :memory:) so worker and server child processes in tests share the test
     # database; the pid keeps concurrent test runs on one machine apart.
     _db["TEST"] = {"NAME": str(STATE_DIR / f"test-flowstate-{os.getpid()}.sqlite3")}
@@ -140,9 +150,17 @@ if CELERY_TASK_TIME_LIMIT <= CELERY_TASK_SOFT_TIME_LIMIT:
     raise ConfigurationError(
         "CELERY_TASK_TIME_LIMIT must exceed CELERY_TASK_SOFT_TIME_LIMIT so tasks can clean up"
     )
-# With acks_late a task that outlives the visibility timeout is redelivered; keep it above the
-# hard time limit so only a dead worker causes redelivery.
+# With acks_late a message stays "unacked" in Redis until its task ends; one whose worker died is
+# given out again after the visibility timeout. The agents' sweeper (webapp.agents.tasks) does not
+# wait for that: every AGENT_SWEEP_S it re-sends queued tasks that have no message waiting in the
+# queue and takes over running ones whose heartbeat is stale. A redelivery of a message whose task
+# still runs is harmless (the claim skips a task with a fresh heartbeat), so the timeout only
+# bounds how long a message of a dead worker lingers; keep it above the hard time limit.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT + 600}
+# A worker that loses the broker cancels its running tasks (their messages are redelivered) rather
+# than finishing work nobody can acknowledge; the claim token keeps the redelivery from running twice.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_TRACK_STARTED = True
 CELERY_TASK_ALWAYS_EAGER = False
 # Named queues (docs/DEPLOY.md): agent tasks, experiment control and maintenance each have their own,
@@ -193,6 +211,10 @@ if AGENT_STALE_AFTER_S <= AGENT_HEARTBEAT_S:
 AGENT_MAX_ATTEMPTS = env_int("AGENT_MAX_ATTEMPTS", 2, minimum=1)
 # Verified results: the repository's tests run after the agent stops, for at most this long.
 AGENT_VERIFY_TIMEOUT_S = env_int("AGENT_VERIFY_TIMEOUT_S", 300, minimum=10)
+# How often each worker's sweeper looks for queued tasks without a message and stale running ones,
+# and how long a queued task may lack a message before it is sent again (covers the commit->send gap).
+AGENT_SWEEP_S = env_int("AGENT_SWEEP_S", max(2, AGENT_STALE_AFTER_S // 2), minimum=1)
+AGENT_QUEUED_GRACE_S = env_int("AGENT_QUEUED_GRACE_S", 30, minimum=1)
 # Where workers reach this server's /v1 endpoint for the built-in model; empty: the submitting request's host.
 AGENT_BUILTIN_BASE_URL = env_optional("AGENT_BUILTIN_BASE_URL")
 AGENT_BUILTIN_MODEL_NAME = env_str("AGENT_BUILTIN_MODEL_NAME", "flowstate")

@@ -249,15 +249,32 @@ def test_demo_seed_is_idempotent(owner, settings, tmp_path):
 
 
 def test_recovery_sweep_picks_stale_running_and_old_queued_tasks(owner, demo_repository, settings):
+    """On the real broker, with no worker consuming: the sweep sends stale running tasks and old
+    queued tasks without a waiting message, and sends none of them twice while its message waits."""
+    from webapp.agents.selectors import broker_waiting_task_ids
+    from webapp.celery import app
+
+    app.control.purge()
     stale = _create(owner, demo_repository)
     alive = _create(owner, demo_repository)
     waiting = _create(owner, demo_repository)
+    fresh = _create(owner, demo_repository)  # just submitted: its message may still be on its way
     long_ago = timezone.now() - timedelta(seconds=settings.AGENT_STALE_AFTER_S + 5)
     AgentTask.objects.filter(pk=stale.pk).update(status="running", attempt=1, heartbeat_at=long_ago)
     AgentTask.objects.filter(pk=alive.pk).update(status="running", attempt=1, heartbeat_at=timezone.now())
     AgentTask.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(minutes=5))
-    assert services.tasks_recover_stale(include_queued=False) == 1
-    assert services.tasks_recover_stale(include_queued=True) == 2
+    try:
+        assert broker_waiting_task_ids() == set()
+        assert services.tasks_recover_stale() == 2
+        assert broker_waiting_task_ids() == {stale.pk, waiting.pk}
+        # Both messages now wait in the queue: nothing is sent twice, however often the sweep runs.
+        assert services.tasks_recover_stale() == 0
+        assert broker_waiting_task_ids() == {stale.pk, waiting.pk}
+        app.control.purge()  # the messages are lost (a broker restart): the next sweep sends them again
+        assert services.tasks_recover_stale() == 2
+        assert fresh.pk not in broker_waiting_task_ids() and alive.pk not in broker_waiting_task_ids()
+    finally:
+        app.control.purge()
 
 
 def test_publisher_merges_only_consecutive_events_of_one_task():

@@ -113,3 +113,39 @@ def trajectories_for_sft(*, user=None, limit: int) -> list[list[dict]]:
     tasks = AgentTask.objects.all() if user is None else owned_visible_to(queryset=AgentTask.objects.all(), user=user)
     tasks = tasks.filter(status=AgentTask.Status.SUCCEEDED).exclude(messages=[]).filter(Q(reward__isnull=True) | Q(reward__gt=0))
     return [task.messages for task in tasks.order_by("-created_at", "-id")[:limit]]
+
+
+def broker_waiting_task_ids() -> set[int]:
+    """Ids of agent tasks whose run message waits in the broker's queue (not yet given to a worker).
+
+    Messages are sent by ``services.task_enqueue`` with a Celery id ``agent-task-<id>-<nonce>``;
+    the Redis transport keeps a queue as one list per priority step. A message a worker took
+    (prefetched or running, "unacked") is not counted: if that worker died, the message is stuck
+    until the visibility timeout, which is what the sweeper must not wait for.
+    """
+    import json
+
+    from django.conf import settings
+
+    from webapp.agents.services import TASK_MESSAGE_PREFIX
+    from webapp.celery import app
+
+    found: set[int] = set()
+    # The agents' queue by its route (settings.CELERY_TASK_ROUTES), and every other named queue in
+    # case a deployment routes agent tasks elsewhere.
+    queues = dict.fromkeys((*settings.FLOWSTATE_CELERY_QUEUES, app.conf.task_default_queue))
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        client = channel.client
+        keys = [channel._q_for_pri(queue, priority) for queue in queues for priority in channel.priority_steps]
+        for key in keys:
+            for raw in client.lrange(key, 0, -1):
+                try:
+                    message_id = json.loads(raw)["headers"]["id"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if isinstance(message_id, str) and message_id.startswith(TASK_MESSAGE_PREFIX):
+                    task_id = message_id[len(TASK_MESSAGE_PREFIX):].split("-", 1)[0]
+                    if task_id.isdigit():
+                        found.add(int(task_id))
+    return found

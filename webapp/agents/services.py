@@ -13,6 +13,7 @@ import os
 import re
 import tarfile
 import threading
+import time
 import uuid
 import zipfile
 from datetime import timedelta
@@ -24,6 +25,8 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
 from django.db import connection, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from training.agent.config import AgentLimits
@@ -39,6 +42,7 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_ARCHIVE_MEMBERS = 20_000
 MAX_ARCHIVE_UNPACKED_BYTES = 512 * 1024 * 1024
 DISPLAY_CHARS = 4000
+TASK_MESSAGE_PREFIX = "agent-task-"
 
 
 class ClaimLost(Exception):
@@ -365,10 +369,8 @@ def task_create(
         repo_label=label[:200], prompt=prompt, backend=backend, model_name=model_name, base_url=base_url,
         api_key=api_key, limits=limits, policy_options=policy_options,
     )
-    from webapp.agents.tasks import agent_task_run
-
     if enqueue:
-        transaction.on_commit(lambda: agent_task_run.delay(task.pk))
+        transaction.on_commit(lambda: task_enqueue(task_id=task.pk))
     return task
 
 
@@ -391,47 +393,67 @@ def task_cancel(*, task: AgentTask, user) -> AgentTask:
 
 # --- Running -------------------------------------------------------------------------------
 
+def _claim_token_won(*, task_id: int, query, updates: dict) -> AgentTask | None:
+    """Apply ``updates`` with a fresh claim token if ``query`` still matches the row; the one
+    conditional UPDATE is what makes a claim exclusive on every backend (a second claimer's WHERE no
+    longer matches, with or without row locks)."""
+    token = uuid.uuid4()
+    if not query.filter(pk=task_id).update(claim_token=token, attempt=F("attempt") + 1, **updates):
+        return None
+    return AgentTask.objects.get(pk=task_id)
+
+
+def _task_running_mark(task: AgentTask) -> tuple[AgentTask, uuid.UUID]:
+    task.status_reason = f"attempt {task.attempt} running"
+    task.save(update_fields=["status_reason"])
+    _publish_status_on_commit(task)
+    return task, task.claim_token
+
+
 @transaction.atomic
 def task_claim(*, task_id: int) -> tuple[AgentTask, uuid.UUID] | None:
     """Take the task for this worker, or return None when it must not run here.
 
-    A running task whose heartbeat is fresh belongs to a live worker (duplicate delivery): skipped.
-    A running task with a stale heartbeat lost its worker: retried in a fresh sandbox, or failed
-    with the reason once ``AGENT_MAX_ATTEMPTS`` is used up. The new claim token makes any surviving
-    writer of the old attempt fail with ``ClaimLost``, so two agents never write to one task.
+    ``queued`` becomes ``running`` under a new claim token in one conditional UPDATE, so of two
+    deliveries of one message exactly one claims it. A running task whose heartbeat is fresh
+    belongs to a live worker (duplicate delivery): skipped. A running task with a stale heartbeat
+    lost its worker: retried in a fresh sandbox, or failed with the reason once
+    ``AGENT_MAX_ATTEMPTS`` is used up. The new claim token makes any surviving writer of the old
+    attempt fail with ``ClaimLost``, so two agents never write to one task.
     """
-    try:
-        task = AgentTask.objects.select_for_update().get(pk=task_id)
-    except AgentTask.DoesNotExist:
-        return None
     now = timezone.now()
-    if task.is_finished:
+    queued = AgentTask.objects.filter(status=AgentTask.Status.QUEUED, cancel_requested=False)
+    task = _claim_token_won(task_id=task_id, query=queued, updates={
+        "status": AgentTask.Status.RUNNING, "started_at": Coalesce("started_at", Value(now)), "heartbeat_at": now})
+    if task is not None:
+        return _task_running_mark(task)
+    task = AgentTask.objects.select_for_update().filter(pk=task_id).first()
+    if task is None or task.is_finished:
         return None
     if task.cancel_requested:
         _task_finish_row(task, status=AgentTask.Status.CANCELLED, reason="cancelled before it started")
         return None
-    if task.status == AgentTask.Status.RUNNING:
-        stale_before = now - timedelta(seconds=settings.AGENT_STALE_AFTER_S)
-        if task.heartbeat_at and task.heartbeat_at > stale_before:
-            return None
-        if task.attempt >= settings.AGENT_MAX_ATTEMPTS:
-            _task_finish_row(task, status=AgentTask.Status.FAILED, reason=(
-                f"the worker running attempt {task.attempt} stopped responding and no attempts are left "
-                f"(AGENT_MAX_ATTEMPTS={settings.AGENT_MAX_ATTEMPTS})"))
-            return None
-        _event_insert(task, kind="retry", turn=0, payload={
-            "reason": f"the worker running attempt {task.attempt} stopped responding; restarting in a fresh sandbox",
-            "previous_attempt": task.attempt,
-        })
-    task.attempt += 1
-    task.claim_token = uuid.uuid4()
-    task.status = AgentTask.Status.RUNNING
-    task.status_reason = f"attempt {task.attempt} running"
-    task.started_at = task.started_at or now
-    task.heartbeat_at = now
-    task.save(update_fields=["attempt", "claim_token", "status", "status_reason", "started_at", "heartbeat_at", "last_seq"])
-    _publish_status_on_commit(task)
-    return task, task.claim_token
+    stale_before = now - timedelta(seconds=settings.AGENT_STALE_AFTER_S)
+    if task.status != AgentTask.Status.RUNNING or (task.heartbeat_at and task.heartbeat_at > stale_before):
+        return None
+    if task.attempt >= settings.AGENT_MAX_ATTEMPTS:
+        _task_finish_row(task, status=AgentTask.Status.FAILED, reason=(
+            f"the worker running attempt {task.attempt} stopped responding and no attempts are left "
+            f"(AGENT_MAX_ATTEMPTS={settings.AGENT_MAX_ATTEMPTS})"))
+        return None
+    _event_insert(task, kind="retry", turn=0, payload={
+        "reason": f"the worker running attempt {task.attempt} stopped responding; restarting in a fresh sandbox",
+        "previous_attempt": task.attempt,
+    })
+    # Only the holder of the old token at its old heartbeat may take over: a late heartbeat of the
+    # old attempt, or another sweeper's claim, makes this UPDATE match nothing.
+    stale = AgentTask.objects.filter(claim_token=task.claim_token, heartbeat_at=task.heartbeat_at,
+                                     status=AgentTask.Status.RUNNING)
+    claimed = _claim_token_won(task_id=task_id, query=stale, updates={"heartbeat_at": now, "last_seq": task.last_seq})
+    if claimed is None:
+        transaction.set_rollback(True)
+        return None
+    return _task_running_mark(claimed)
 
 
 def storable_text(value):
@@ -590,51 +612,102 @@ def _policy_for(task: AgentTask):
                             seed=task.policy_options.get("seed"))
 
 
+def _db_retry(call, *, what: str, attempts: int = 5):
+    """Run a short write again when the database refuses it for a moment (a lock, a dropped
+    connection), so a task is not left ``running`` by one transient error in marking its outcome."""
+    from django.db import OperationalError, close_old_connections
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except OperationalError:
+            if attempt == attempts:
+                raise
+            logger.warning("%s failed (attempt %d of %d); trying again", what, attempt, attempts, exc_info=True)
+            close_old_connections()
+            time.sleep(0.5 * attempt)
+    return None
+
+
+def _heartbeat_start(*, task_id: int, token: uuid.UUID, lost: threading.Event) -> threading.Event:
+    """Refresh the heartbeat until the returned event is set; set ``lost`` when the claim is gone."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(settings.AGENT_HEARTBEAT_S):
+            try:
+                if not task_heartbeat(task_id=task_id, claim_token=token):
+                    lost.set()  # another worker took over (or the task ended): the agent must stop
+                    return
+            except Exception:
+                logger.exception("heartbeat of task %s failed", task_id)
+            finally:
+                connection.close()
+
+    threading.Thread(target=beat, name=f"heartbeat-task-{task_id}", daemon=True).start()
+    return stop
+
+
+def _snapshot_discard(backend, snapshot, task_id: int) -> None:
+    try:
+        backend.snapshot_delete(snapshot=snapshot)
+    except Exception:
+        logger.exception("could not delete the snapshot of task %s", task_id)
+
+
+def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
+    """(backend, snapshot, sandbox) for one attempt; the snapshot is deleted again if no sandbox comes of it."""
+    from sandboxes import get_backend
+    from sandboxes.base import RepoSource, SandboxLimits
+
+    backend = get_backend(settings.SANDBOX_BACKEND)
+    if task.attempt > 1:
+        # The previous attempt's worker is gone; its sandbox must not live on beside this one.
+        try:
+            backend.reap_orphans()
+        except Exception:
+            logger.exception("could not reap the sandboxes of dead workers before retrying task %s", task.pk)
+    snapshot = backend.snapshot_create(source=RepoSource(kind=task.repo_kind, location=task.repo_location,
+                                                         ref=task.repo_ref or None))
+    try:
+        sandbox = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(
+            lifetime_s=limits.wall_time_s + 300, command_timeout_s=min(120.0, limits.wall_time_s)))
+    except BaseException:
+        _snapshot_discard(backend, snapshot, task.pk)
+        raise
+    return backend, snapshot, sandbox
+
+
 def task_run(*, task_id: int) -> str:
     """Claim the task, run the agent in a fresh sandbox, store every event and the outcome.
 
     Returns a short note for the Celery result. Errors of the sandbox or policy server end the
     task as ``failed`` with the reason; nothing is left ``running`` unless this process dies, in
-    which case ``task_claim`` on another worker takes over once the heartbeat goes stale.
+    which case the sweeper (``tasks_recover_stale``) hands it to a new claim once the heartbeat
+    goes stale. The agent stops at its next step once the claim is lost.
     """
-    from sandboxes import get_backend
-    from sandboxes.base import RepoSource, SandboxError, SandboxLimits
+    from sandboxes.base import SandboxError
     from training.agent.loop import AgentStopped, run_agent
     from webapp.agents import verify
 
-    claimed = task_claim(task_id=task_id)
+    claimed = _db_retry(lambda: task_claim(task_id=task_id), what=f"claiming task {task_id}")
     if claimed is None:
         return "skipped: finished, cancelled or running elsewhere"
     task, token = claimed
     limits = AgentLimits.from_dict(task.limits)
+    lost = threading.Event()
+    stop_heartbeat = _heartbeat_start(task_id=task_id, token=token, lost=lost)
 
-    stop_heartbeat = threading.Event()
+    def fail(reason: str) -> None:
+        _db_retry(lambda: task_fail(task_id=task_id, claim_token=token, reason=reason), what=f"failing task {task_id}")
 
-    def beat() -> None:
-        while not stop_heartbeat.wait(settings.AGENT_HEARTBEAT_S):
-            try:
-                if not task_heartbeat(task_id=task_id, claim_token=token):
-                    return
-            except Exception:
-                logger.exception("heartbeat of task %s failed", task_id)
-            finally:
-                from django.db import connection
-
-                connection.close()
-
-    heartbeat = threading.Thread(target=beat, name=f"heartbeat-task-{task_id}", daemon=True)
-    heartbeat.start()
-    sandbox = snapshot = None
+    backend = snapshot = sandbox = None
     try:
         try:
             policy = _policy_for(task)
-            backend = get_backend(settings.SANDBOX_BACKEND)
-            snapshot = backend.snapshot_create(source=RepoSource(kind=task.repo_kind, location=task.repo_location,
-                                                                 ref=task.repo_ref or None))
-            sandbox = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(
-                lifetime_s=limits.wall_time_s + 300, command_timeout_s=min(120.0, limits.wall_time_s)))
+            backend, snapshot, sandbox = _sandbox_prepare(task, limits)
         except (SandboxError, ValueError, OSError) as exc:
-            task_fail(task_id=task_id, claim_token=token, reason=f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
+            fail(f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
             return "failed: sandbox"
 
         def on_event(event: dict) -> None:
@@ -644,19 +717,25 @@ def task_run(*, task_id: int) -> str:
                 raise AgentStopped(str(exc)) from exc
 
         def should_stop() -> str | None:
-            current = AgentTask.objects.filter(pk=task_id).values_list("cancel_requested", flat=True).first()
-            return "cancelled by the user" if current else None
+            if lost.is_set():
+                return "another worker took the task over"
+            current = AgentTask.objects.filter(pk=task_id).values_list("cancel_requested", "claim_token").first()
+            if current is None or current[1] != token:
+                lost.set()
+                return "another worker took the task over"
+            return "cancelled by the user" if current[0] else None
 
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
                            should_stop=should_stop, first_seq=task.last_seq + 1)
         if result.status == AgentTask.Status.SUCCEEDED:  # the loop stopped: do the tests pass?
             verify.task_verify(task=task, claim_token=token, sandbox=sandbox, diff=result.diff, turn=result.turns,
                                on_event=on_event)
-        finished = task_finish(task_id=task_id, claim_token=token, result=result)
+        finished = _db_retry(lambda: task_finish(task_id=task_id, claim_token=token, result=result),
+                             what=f"storing the outcome of task {task_id}")
         return f"{result.status}: {result.reason}" if finished else "claim lost to another worker"
     except Exception as exc:
         logger.exception("task %s crashed", task_id)
-        task_fail(task_id=task_id, claim_token=token, reason=f"internal error: {type(exc).__name__}: {exc}")
+        fail(f"internal error: {type(exc).__name__}: {exc}")
         return "failed: internal error"
     finally:
         stop_heartbeat.set()
@@ -666,31 +745,44 @@ def task_run(*, task_id: int) -> str:
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
         if snapshot is not None:
-            try:
-                backend.snapshot_delete(snapshot=snapshot)
-            except Exception:
-                logger.exception("could not delete the snapshot of task %s", task_id)
+            _snapshot_discard(backend, snapshot, task_id)
 
 
-def tasks_recover_stale(*, include_queued: bool) -> int:
-    """Re-enqueue running tasks whose worker went silent and, with ``include_queued``, queued tasks
-    older than a minute whose message may have been lost (a broker restart).
-
-    Workers call it at start (``include_queued=True``) and then periodically (running tasks only,
-    so a long queue is not flooded with copies). ``task_claim`` decides per task whether to retry or
-    fail it and skips tasks that are alive, so an extra message never starts a second agent.
-    """
+def task_enqueue(*, task_id: int) -> None:
+    """Send the run message of a task. Its Celery id names the task, so the sweeper can tell which
+    queued tasks have a message waiting in the broker (``broker_waiting_task_ids``)."""
     from webapp.agents.tasks import agent_task_run
+
+    agent_task_run.apply_async((task_id,), task_id=f"{TASK_MESSAGE_PREFIX}{task_id}-{uuid.uuid4().hex[:12]}")
+
+
+def tasks_recover_stale() -> int:
+    """Re-enqueue what a dead worker or a lost message left behind; return how many were sent.
+
+    * ``running`` tasks whose heartbeat is older than ``AGENT_STALE_AFTER_S``: ``task_claim``
+      retries or fails them (and skips any whose heartbeat came back meanwhile);
+    * ``queued`` tasks older than ``AGENT_QUEUED_GRACE_S`` with no message waiting in the broker's
+      queue: the message was lost (a broker restart), or a killed worker had prefetched it and it
+      sits unacknowledged until the visibility timeout.
+
+    Every worker calls it at start and then every ``AGENT_SWEEP_S``. An extra message never starts
+    a second agent: the claim is one conditional UPDATE. Neither kind is sent again while a message
+    for it waits in the queue.
+    """
+    from webapp.agents.selectors import broker_waiting_task_ids
 
     now = timezone.now()
     stale = AgentTask.objects.filter(status=AgentTask.Status.RUNNING,
                                      heartbeat_at__lt=now - timedelta(seconds=settings.AGENT_STALE_AFTER_S))
-    waiting = AgentTask.objects.filter(status=AgentTask.Status.QUEUED, created_at__lt=now - timedelta(seconds=60))
-    ids = list(stale.values_list("pk", flat=True))
-    if include_queued:
-        ids += list(waiting.values_list("pk", flat=True))
+    waiting = set(AgentTask.objects.filter(
+        status=AgentTask.Status.QUEUED, created_at__lt=now - timedelta(seconds=settings.AGENT_QUEUED_GRACE_S),
+    ).values_list("pk", flat=True))
+    candidates = waiting | set(stale.values_list("pk", flat=True))
+    # A task whose message still waits in the queue gets no second one: a busy pool would otherwise
+    # collect a copy per sweep.
+    ids = sorted(candidates - broker_waiting_task_ids()) if candidates else []
     for task_id in ids:
-        agent_task_run.delay(task_id)
+        task_enqueue(task_id=task_id)
     return len(ids)
 
 

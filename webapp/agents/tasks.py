@@ -19,15 +19,15 @@ def agent_task_run(task_id: int) -> str:
     return task_run(task_id=int(task_id))
 
 
-def _sweep_once(*, include_queued: bool) -> None:
+def _sweep_once() -> None:
     from django.db import connection
 
     from webapp.agents.services import tasks_recover_stale
 
     try:
-        count = tasks_recover_stale(include_queued=include_queued)
+        count = tasks_recover_stale()
         if count:
-            logger.warning("re-enqueued %d agent task(s) left behind by a stopped worker", count)
+            logger.warning("re-enqueued %d agent task(s) left behind by a stopped worker or a lost message", count)
     except Exception:
         logger.exception("could not look for stale agent tasks")
     finally:
@@ -56,7 +56,7 @@ def _sweep_forever(interval_s: float) -> None:
 
     last_gc = time.monotonic()
     while not _stop_sweeping.wait(interval_s):
-        _sweep_once(include_queued=False)
+        _sweep_once()
         if time.monotonic() - last_gc >= settings.SANDBOX_GC_INTERVAL_S:
             last_gc = time.monotonic()
             _gc_once()
@@ -64,13 +64,14 @@ def _sweep_forever(interval_s: float) -> None:
 
 @worker_ready.connect
 def _recover_stale_tasks(**_kwargs) -> None:
-    # A worker that starts after a crash picks up what the dead one left behind at once; while it
-    # runs it keeps looking, so a worker that dies while others live is noticed too. Duplicate
-    # messages from several sweeping workers are harmless: task_claim lets only one agent run.
+    # The sweeper is a thread of each worker's main process (``make run`` has no beat): at start it
+    # picks up what a dead worker left behind, then every AGENT_SWEEP_S it looks again, so a worker
+    # that dies while others live, or a message lost in the broker, is noticed too. Duplicate
+    # messages from several sweeping workers are harmless: the claim lets only one agent run.
     from django.conf import settings
 
-    _sweep_once(include_queued=True)
-    threading.Thread(target=_sweep_forever, args=(settings.AGENT_STALE_AFTER_S,), name="agent-task-sweeper",
+    _sweep_once()
+    threading.Thread(target=_sweep_forever, args=(settings.AGENT_SWEEP_S,), name="agent-task-sweeper",
                      daemon=True).start()
 
 

@@ -206,9 +206,9 @@ def _rollout_trace_create(*, experiment: Experiment, row: dict, trace: dict):
     )
 
 
-@transaction.atomic
-def experiment_ingest(*, experiment: Experiment) -> int:
-    """Copy checkpointed steps, rollouts and checkpoints from the run directory; returns new steps."""
+def _ingest_read(run_dir: Path, *, recorded: set[int]) -> tuple[list[dict], list[tuple[dict, dict]], list[Path]]:
+    """What the run directory holds beyond ``recorded`` steps: (new step rows, their rollout rows
+    with traces, checkpoint paths). Files only: no database, no transaction."""
     from training.rollout.run_dir import (
         METRICS_FILE,
         ROLLOUTS_FILE,
@@ -218,56 +218,74 @@ def experiment_ingest(*, experiment: Experiment) -> int:
     )
     from training.train.state import list_checkpoints
 
-    experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
-    run_dir = Path(experiment.run_dir)
     version = checkpointed_version(run_dir)
-    recorded = set(ExperimentStep.objects.filter(experiment=experiment).values_list("step", flat=True))
-    new_steps = [
-        row
-        for row in read_jsonl(run_dir / METRICS_FILE)
-        if row["step"] <= version and row["step"] not in recorded
-    ]
-    new_step_numbers = {row["step"] for row in new_steps}
-    for row in new_steps:
-        ExperimentStep.objects.create(experiment=experiment, step=row["step"], metrics=row)
-    for row in read_jsonl(run_dir / ROLLOUTS_FILE):
-        if row["step"] not in new_step_numbers:
-            continue
-        path = trace_path(run_dir, row["rollout_id"])
-        trace = json.loads(path.read_text()) if path.exists() else {}
-        ExperimentRollout.objects.create(
-            experiment=experiment,
-            step=row["step"],
-            rollout_id=row["rollout_id"],
-            group_id=row["group_id"],
-            task_id=row["task_id"],
-            sample_index=row["sample_index"],
-            valid=row["valid"],
-            reward=row["reward"],
-            advantage=row["advantage"],
-            passed=row["passed"],
-            completion_tokens=row["completion_tokens"],
-            turns=row["turns"],
-            tool_calls=row["tool_calls"],
-            tools_used=row["tools_used"],
-            policy_version=row["policy_version"],
-            staleness=row["staleness"],
-            abandoned=row.get("abandoned", False),
-            status=row["status"][:2000],
-            trace=_rollout_trace_create(experiment=experiment, row=row, trace=trace),
-        )
-    for path in list_checkpoints(run_dir):
-        step = int(path.name.rsplit("-", 1)[-1])
-        ExperimentCheckpoint.objects.get_or_create(
-            experiment=experiment, step=step, defaults={"path": str(path)}
-        )
-    if new_steps:
-        experiment.current_step = max(experiment.current_step, max(new_step_numbers))
-        experiment.heartbeat_at = timezone.now()
-        experiment.save(update_fields=["current_step", "heartbeat_at"])
-        _publish(experiment, {"kind": "steps", "steps": sorted(new_steps, key=lambda row: row["step"])})
-        _publish(experiment, _status_message(experiment))
+    new_steps = [row for row in read_jsonl(run_dir / METRICS_FILE) if row["step"] <= version and row["step"] not in recorded]
+    numbers = {row["step"] for row in new_steps}
+    rollouts = []
+    for row in read_jsonl(run_dir / ROLLOUTS_FILE) if new_steps else []:
+        if row["step"] in numbers:
+            path = trace_path(run_dir, row["rollout_id"])
+            rollouts.append((row, json.loads(path.read_text()) if path.exists() else {}))
+    return new_steps, rollouts, list_checkpoints(run_dir)
+
+
+def experiment_ingest(*, experiment: Experiment) -> int:
+    """Copy checkpointed steps, rollouts and checkpoints from the run directory; returns new steps.
+
+    The files are read outside any transaction (on SQLite a write transaction holds the one write
+    lock, and the monitor calls this every second); the short write transaction then re-checks
+    which steps are recorded under the row lock, so two monitors never record a step twice.
+    """
+    run_dir = Path(experiment.run_dir)
+    recorded = set(ExperimentStep.objects.filter(experiment_id=experiment.pk).values_list("step", flat=True))
+    new_steps, rollouts, checkpoints = _ingest_read(run_dir, recorded=recorded)
+    known = set(ExperimentCheckpoint.objects.filter(experiment_id=experiment.pk).values_list("step", flat=True))
+    if not new_steps and all(int(path.name.rsplit("-", 1)[-1]) in known for path in checkpoints):
+        return 0
+    with transaction.atomic():
+        experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
+        recorded = set(ExperimentStep.objects.filter(experiment=experiment).values_list("step", flat=True))
+        new_steps = [row for row in new_steps if row["step"] not in recorded]
+        new_step_numbers = {row["step"] for row in new_steps}
+        for row in new_steps:
+            ExperimentStep.objects.create(experiment=experiment, step=row["step"], metrics=row)
+        for row, trace in rollouts:
+            if row["step"] in new_step_numbers:
+                _rollout_row_create(experiment=experiment, row=row, trace=trace)
+        for path in checkpoints:
+            step = int(path.name.rsplit("-", 1)[-1])
+            ExperimentCheckpoint.objects.get_or_create(experiment=experiment, step=step, defaults={"path": str(path)})
+        if new_steps:
+            experiment.current_step = max(experiment.current_step, max(new_step_numbers))
+            experiment.heartbeat_at = timezone.now()
+            experiment.save(update_fields=["current_step", "heartbeat_at"])
+            _publish(experiment, {"kind": "steps", "steps": sorted(new_steps, key=lambda row: row["step"])})
+            _publish(experiment, _status_message(experiment))
     return len(new_steps)
+
+
+def _rollout_row_create(*, experiment: Experiment, row: dict, trace: dict) -> ExperimentRollout:
+    return ExperimentRollout.objects.create(
+        experiment=experiment,
+        step=row["step"],
+        rollout_id=row["rollout_id"],
+        group_id=row["group_id"],
+        task_id=row["task_id"],
+        sample_index=row["sample_index"],
+        valid=row["valid"],
+        reward=row["reward"],
+        advantage=row["advantage"],
+        passed=row["passed"],
+        completion_tokens=row["completion_tokens"],
+        turns=row["turns"],
+        tool_calls=row["tool_calls"],
+        tools_used=row["tools_used"],
+        policy_version=row["policy_version"],
+        staleness=row["staleness"],
+        abandoned=row.get("abandoned", False),
+        status=row["status"][:2000],
+        trace=_rollout_trace_create(experiment=experiment, row=row, trace=trace),
+    )
 
 
 # --- the driver process ------------------------------------------------------------------------
@@ -335,6 +353,19 @@ def _set_status(experiment_id: int, **fields) -> Experiment:
     return experiment
 
 
+def _driver_launch_claim(experiment: Experiment, *, watched_pid: int | None) -> bool:
+    """Count the next driver start if no other monitor counted one since ``experiment`` was read and
+    the driver this monitor saw die (``watched_pid``) is still the recorded one: one conditional
+    UPDATE, so of two monitors that saw the driver die only one starts a new one."""
+    from django.db.models import F
+
+    return bool(Experiment.objects.filter(
+        pk=experiment.pk, launches=experiment.launches, status__in=Experiment.ACTIVE,
+        driver_pid=watched_pid or experiment.driver_pid,
+        cancel_requested=False, pause_requested=False,
+    ).update(launches=F("launches") + 1, driver_pid=None))
+
+
 def _wait_for_exit(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -360,6 +391,7 @@ def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) 
     progress_at_launch = checkpointed_version(experiment.run_dir)
     process: subprocess.Popen | None = None
     pid = experiment.driver_pid if _driver_alive(experiment.driver_pid, experiment.run_dir) else None
+    watched_pid = pid
     while True:
         experiment.refresh_from_db()
         if pid is None:
@@ -392,8 +424,12 @@ def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) 
                     experiment_id, status=Experiment.Status.FAILED, status_reason=reason, driver_pid=None
                 )
                 return "failed"
+            if not _driver_launch_claim(experiment, watched_pid=watched_pid):
+                # Another monitor (a redelivered or re-sent message) saw the same dead driver first
+                # and starts its successor; this one leaves, so a killed driver is resumed once.
+                return "another monitor restarts the driver"
             process = _driver_launch(experiment)
-            pid = process.pid
+            pid = watched_pid = process.pid
             launches_without_progress += 1
             progress_at_launch = checkpointed_version(experiment.run_dir)
             _set_status(
@@ -401,7 +437,6 @@ def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) 
                 status=Experiment.Status.RUNNING,
                 status_reason="driver running",
                 driver_pid=pid,
-                launches=experiment.launches + 1,
                 started_at=experiment.started_at or timezone.now(),
             )
         experiment_ingest(experiment=experiment)
