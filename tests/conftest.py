@@ -29,6 +29,14 @@ def pytest_report_header(config):
     ]
 
 
+@pytest.fixture(autouse=True)
+def registered_checkpoint(request, settings):
+    """A launch may only name a registered checkpoint (docs/SECURITY.md): in a module that builds a
+    `policy_checkpoint`, that checkpoint is the configured model, so experiments may start from it."""
+    if "policy_checkpoint" in request.fixturenames:
+        settings.MODEL_CHECKPOINT = request.getfixturevalue("policy_checkpoint")
+
+
 @pytest.fixture
 def team(db):
     from webapp.accounts.models import Team

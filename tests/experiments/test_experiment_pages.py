@@ -26,13 +26,6 @@ def policy_checkpoint(tmp_path_factory):
     return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
 
 
-@pytest.fixture(autouse=True)
-def registered_checkpoint(request, settings):
-    # A launch may only name a registered checkpoint; the test checkpoint is the configured model.
-    if "policy_checkpoint" in request.fixturenames:
-        settings.MODEL_CHECKPOINT = request.getfixturevalue("policy_checkpoint")
-
-
 @pytest.fixture
 def state_dir(settings, tmp_path):
     settings.STATE_DIR = tmp_path

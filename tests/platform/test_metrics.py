@@ -101,7 +101,9 @@ def test_metrics_report_tasks_sandboxes_queues_and_experiments(owner, staff):
     assert samples[("flowstate_sandboxes", (("host", "node-a"), ("state", "idle")))] == 1
     assert samples[("flowstate_admission_queue_length", (("host", "node-a"), ("purpose", "training")))] == 5
     assert ("flowstate_admission_queue_length", (("host", "node-gone"), ("purpose", "product"))) not in samples
-    assert samples[("flowstate_celery_queue_depth", (("queue", "celery"),))] == 3
+    # Unrouted tasks go to the maintenance queue (settings.CELERY_TASK_ROUTES); every named queue is reported.
+    assert samples[("flowstate_celery_queue_depth", (("queue", "maintenance"),))] == 3
+    assert samples[("flowstate_celery_queue_depth", (("queue", "agents"),))] == 0
     label = (("experiment", str(experiment.pk)),)
     assert samples[("flowstate_experiment_rollouts_per_second", label)] == 2.5
     assert samples[("flowstate_experiment_update_seconds", label)] == 0.75

@@ -111,8 +111,9 @@ def valid_limits(draw) -> dict:
         "tool_output_chars": integer("tool_output_chars"),
     }
     keep = draw(st.sets(st.sampled_from(sorted(chosen))))
-    if "max_tokens_per_turn" in keep:
-        keep |= {"context_tokens", "max_tokens"}
+    tokens = {"context_tokens", "max_tokens_per_turn", "max_tokens"}
+    if keep & tokens:  # each bounds the others: drawn together, or all left at their defaults
+        keep |= tokens
     return {name: value for name, value in chosen.items() if name in keep}
 
 

@@ -96,16 +96,20 @@ def _fleet_series():
 
 def _celery_series():
     from django.conf import settings
+    from kombu.exceptions import ChannelError
 
     from webapp.celery import app
 
-    name = getattr(settings, "CELERY_TASK_DEFAULT_QUEUE", None) or "celery"
     depth = GaugeMetricFamily("flowstate_celery_queue_depth", "Messages waiting in the Celery broker queue.",
                               labels=["queue"])
     try:
         with app.connection_for_read() as connection:
-            _, count, _ = connection.default_channel.queue_declare(queue=name, passive=True)
-        depth.add_metric([name], count)
+            for name in settings.FLOWSTATE_CELERY_QUEUES:  # agents, experiments, maintenance (docs/DEPLOY.md)
+                try:
+                    _, count, _ = connection.default_channel.queue_declare(queue=name, passive=True)
+                except ChannelError:  # never declared on this broker yet: nothing waits in it
+                    count = 0
+                depth.add_metric([name], count)
     except Exception:  # the broker down must not break the other series; the gap is visible
         logger.warning("celery queue depth unavailable", exc_info=True)
     yield depth
