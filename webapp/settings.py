@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import environ
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from sandboxes.paths import default_sandbox_root
 from webapp.env import (
@@ -167,8 +167,10 @@ CELERY_TASK_ALWAYS_EAGER = False
 # so a burst on one never starves another when a worker serves it; unrouted tasks go to maintenance.
 FLOWSTATE_CELERY_QUEUES = ("agents", "experiments", "maintenance")
 CELERY_TASK_DEFAULT_QUEUE = "maintenance"
-# Declared, so a worker started without -Q consumes every queue instead of only the default one.
-CELERY_TASK_QUEUES = tuple(Queue(name) for name in FLOWSTATE_CELERY_QUEUES)
+# Declared, so a worker started without -Q consumes every queue instead of only the default one; each
+# with its own exchange and routing key, as Celery creates a missing queue (a bare Queue(name) binds all
+# three to the default exchange and key).
+CELERY_TASK_QUEUES = tuple(Queue(name, Exchange(name), routing_key=name) for name in FLOWSTATE_CELERY_QUEUES)
 CELERY_TASK_ROUTES = {
     "agents.*": {"queue": "agents"},
     "experiments.*": {"queue": "experiments"},

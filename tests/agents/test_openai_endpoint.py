@@ -102,6 +102,8 @@ def test_builtin_model_task_end_to_end(builtin_model, owner, demo_repository, as
         time.sleep(0.5)
     # Random weights rarely fix anything; the assertions are on the flow through the real endpoint.
     kinds = list(task.events.values_list("kind", flat=True))
+    if kinds[-1] == "tests":  # the verification runs after the agent's final event (webapp.agents.verify)
+        kinds.pop()
     assert kinds[0] == "start" and kinds[-1] == "final" and "model_output" in kinds
     output = task.events.filter(kind="model_output").first().payload
     assert output["prompt_tokens"] > 1000 and not output["tokens_estimated"]  # counted by the real tokenizer

@@ -41,6 +41,28 @@ def test_every_task_has_a_named_queue_and_run_consumes_them_all():
     assert tuple(queues.split(",")) == settings.FLOWSTATE_CELERY_QUEUES
 
 
+def test_a_routed_message_lands_in_its_queue_only():
+    """Each queue has its own exchange and key: a message sent to one named queue is not copied into the
+    others (bound to one shared exchange and key, every queue would receive every message)."""
+    from webapp.celery import app
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    with app.connection_for_write() as connection:  # bind every queue, as a worker consuming all does
+        for queue in app.amqp.queues.values():
+            queue(connection.default_channel).declare()
+    app.control.purge()
+    try:
+        for task_name, expected in (("agents.never_registered_probe", "agents"),
+                                    ("experiments.never_registered_probe", "experiments"),
+                                    ("core.never_registered_probe", "maintenance")):
+            app.send_task(task_name)
+            depths = {queue: client.llen(queue) for queue in settings.FLOWSTATE_CELERY_QUEUES}
+            assert depths[expected] == 1 and sum(depths.values()) == 1, (task_name, depths)
+            client.delete(expected)
+    finally:
+        app.control.purge()
+
+
 def _start_worker(name: str, queues: str) -> subprocess.Popen:
     from tests.conftest import _test_database_env
 
