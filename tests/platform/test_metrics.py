@@ -112,3 +112,34 @@ def test_metrics_report_tasks_sandboxes_queues_and_experiments(owner, staff):
     # Observed 0.3 s: in the 0.5 s bucket, not in the 0.25 s one.
     assert samples[(f"{latency}_bucket", (("le", "0.5"),))] == before[(f"{latency}_bucket", "0.5")] + 1
     assert samples[(f"{latency}_bucket", (("le", "0.25"),))] == before[(f"{latency}_bucket", "0.25")]
+
+
+def test_metrics_report_semantic_index_builds_from_their_progress_files(staff, settings, tmp_path):
+    from sandboxes.semantic.progress import IndexProgressWriter
+
+    settings.SEMANTIC_INDEX_ROOT = str(tmp_path)
+    for snapshot in ("snap-a", "snap-b", "snap-c", "snap-d"):
+        (tmp_path / snapshot).mkdir()  # the builder writes its progress file beside the index directory
+    building = IndexProgressWriter(directory=tmp_path / "snap-a" / "minilm", snapshot_id="snap-a", encoder="minilm",
+                                   chunks_total=10)
+    building.advance(3)
+    building._write(force=True)  # advance writes at most every half second
+    finished = IndexProgressWriter(directory=tmp_path / "snap-b" / "minilm", snapshot_id="snap-b", encoder="minilm",
+                                   chunks_total=4)
+    finished.finish()
+    failed = IndexProgressWriter(directory=tmp_path / "snap-c" / "minilm", snapshot_id="snap-c", encoder="minilm",
+                                 chunks_total=5)
+    failed.finish(error="encoder crashed")
+    (tmp_path / "snap-d" / "minilm.progress.json").write_text("{not json")  # ignored, not an error
+
+    client = Client()
+    client.force_login(staff)
+    samples = _samples(client.get("/metrics").content.decode())
+
+    builds = "flowstate_semantic_index_builds"
+    assert samples[(builds, (("state", "building"),))] == 1
+    assert samples[(builds, (("state", "ready"),))] == 1
+    assert samples[(builds, (("state", "failed"),))] == 1
+    assert samples[(builds, (("state", "stalled"),))] == 0
+    assert samples[("flowstate_semantic_index_chunks", (("kind", "done"),))] == 3
+    assert samples[("flowstate_semantic_index_chunks", (("kind", "total"),))] == 10

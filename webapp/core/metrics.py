@@ -17,6 +17,9 @@ Series:
   flowstate_celery_queue_depth{queue}                   gauge: messages waiting in the broker queue
   flowstate_experiment_rollouts_per_second{experiment}  gauge: latest step of each running experiment
   flowstate_experiment_update_seconds{experiment}       gauge: its policy update time
+  flowstate_semantic_index_builds{state}                gauge: snapshot index builds (building, ready,
+                                                        failed, stalled), from their progress files
+  flowstate_semantic_index_chunks{kind}                 gauge: chunks done / total of the builds in progress
 """
 
 from __future__ import annotations
@@ -136,6 +139,26 @@ def _experiment_series():
     yield update
 
 
+def _semantic_series():
+    from sandboxes.semantic.progress import semantic_index_metrics
+
+    builds = GaugeMetricFamily("flowstate_semantic_index_builds",
+                               "Semantic index builds of snapshots, by state (progress files).", labels=["state"])
+    chunks = GaugeMetricFamily("flowstate_semantic_index_chunks",
+                               "Chunks encoded (done) and to encode (total) by the builds in progress.", labels=["kind"])
+    try:
+        summary = semantic_index_metrics()
+    except Exception:  # an unreadable index root must not break the other series
+        logger.warning("semantic index progress unavailable", exc_info=True)
+        return
+    for state in ("building", "ready", "failed", "stalled"):
+        builds.add_metric([state], summary[f"builds_{state}"])
+    chunks.add_metric(["done"], summary["building_chunks_done"])
+    chunks.add_metric(["total"], summary["building_chunks_total"])
+    yield builds
+    yield chunks
+
+
 class DatabaseCollector:
     """Series computed from the database and the broker when scraped."""
 
@@ -144,6 +167,7 @@ class DatabaseCollector:
         yield from _fleet_series()
         yield from _celery_series()
         yield from _experiment_series()
+        yield from _semantic_series()
 
 
 def metrics_text() -> bytes:
