@@ -227,9 +227,9 @@ class SandboxBackend(abc.ABC):
     def reap_orphans(self) -> int:
         """Destroy sandboxes whose owning process died or whose lifetime expired; return how many."""
 
+    @abc.abstractmethod
     def snapshots_in_use(self) -> set[str]:
         """Ids of snapshots that a live sandbox of this state root was created from."""
-        raise NotImplementedError
 
     def gc(self, *, max_age_s: float) -> dict[str, int]:
         """Reap dead/expired sandboxes, then delete snapshots older than ``max_age_s`` that none uses."""

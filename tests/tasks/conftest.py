@@ -107,6 +107,9 @@ class DirectoryBackend(SandboxBackend):
     def reap_orphans(self) -> int:
         return 0
 
+    def snapshots_in_use(self) -> set[str]:
+        return set()  # its sandboxes are plain directories that die with the test
+
 
 def _local_backend():
     try:
