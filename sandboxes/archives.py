@@ -337,20 +337,52 @@ def _extract_in_child(stream: BinaryIO, dest_fd: int, limits: ArchiveLimits, run
     # A fresh interpreter, not a fork of the worker: a fork would run the worker's at-fork handlers
     # and could block on locks other threads held (seen: LocalBackend's handler closing a pipe).
     python = child_python()
-    if python is None:
-        logger.warning("no interpreter reachable by uid %s; extracting %s in the worker process", run_as[0], label)
-        _extract_stream(stream, dest_fd, limits, label)
-        return
+    if python is not None:  # setpriv drops privileges before the interpreter starts
+        prefix = unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS)
+        drop = "-"
+    else:
+        # The checkout (or every interpreter) is out of the sandbox uid's reach, e.g. a clone in /root:
+        # start as root, import what extraction needs, then drop to run_as before reading a byte.
+        prefix, python, drop = [], sys.executable, f"{run_as[0]}:{run_as[1]}"
     code = (f"import sys; sys.path.insert(0, {_REPO_ROOT!r}); "
             "from sandboxes.archives import _child_main; raise SystemExit(_child_main())")
-    argv = [*unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS),
-            python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd)]
+    argv = [*prefix, python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd), drop]
     result = subprocess.run(argv, stdin=stream, capture_output=True, pass_fds=(dest_fd,), timeout=CHILD_CPU_SECONDS * 2,
                             check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
     if result.returncode == _REJECTED_EXIT:
         raise ArchiveRejected(result.stdout.decode("utf-8", "replace").strip()[:2000])
     if result.returncode != 0:
         raise ArchiveRejected(f"{label} could not be extracted (the extractor exited with {result.returncode})")
+
+
+def _privileges_drop(uid: int, gid: int) -> None:
+    """In the extraction child started as root: what ``unprivileged_prefix`` does, from inside.
+
+    Modules that extraction imports lazily are imported first (the interpreter's own files may be out
+    of ``uid``'s reach); then rlimits, an empty capability bounding set, the ids, and no new privileges.
+    Changing every uid away from 0 clears the permitted and effective capabilities."""
+    import ctypes
+    import importlib
+    import resource
+
+    for module in ("gzip", "bz2", "lzma", "encodings.cp437", "encodings.utf_8", "encodings.latin_1"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an interpreter built without it cannot open such archives anyway
+            pass
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, pr_set_no_new_privs = 24, 38
+    for capability in range(64):
+        if libc.prctl(pr_capbset_drop, capability, 0, 0, 0) != 0:
+            break  # EINVAL: past the last capability this kernel knows
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0 or 0 in os.getresuid():
+        raise SystemExit("could not drop privileges")
 
 
 def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_seconds: int) -> list[str]:
@@ -363,7 +395,10 @@ def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_secon
 
 def _child_main() -> int:
     limits = ArchiveLimits(**json.loads(sys.argv[1]))
-    label, dest_fd = sys.argv[2], int(sys.argv[3])
+    label, dest_fd, drop = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    if drop != "-":
+        uid, gid = (int(part) for part in drop.split(":"))
+        _privileges_drop(uid, gid)
     try:
         with os.fdopen(0, "rb", closefd=False) as stream:
             _extract_stream(stream, dest_fd, limits, label)

@@ -24,8 +24,8 @@ from sandboxes.base import ArchiveRejected, RepoSource
 from tests.sandboxes.conftest import TEST_LIMITS
 
 
-def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
-    with tarfile.open(path, "w") as tar:
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]], mode: str = "w") -> Path:
+    with tarfile.open(path, mode) as tar:
         for info, data in members:
             if data is not None:
                 info.size = len(data)
@@ -188,3 +188,19 @@ def test_extraction_runs_unprivileged_when_root(tmp_path):
     destination = tmp_path / "dest"
     extract_archive(archive, destination, run_as=(54321, 54321))
     assert (destination / "f.txt").stat().st_uid == 54321
+
+
+def test_extraction_drops_privileges_itself_when_the_checkout_is_out_of_reach(tmp_path, monkeypatch):
+    """A clone in /root (0700): no interpreter can import the package as the sandbox uid, so the child
+    starts as root and drops to it before reading the archive; never an extraction as root."""
+    if os.geteuid() != 0:
+        pytest.skip("privilege drop is only meaningful when the worker runs as root")
+    from sandboxes import archives
+
+    monkeypatch.setattr(archives, "child_python", lambda: None)
+    archive = _tar(tmp_path / "who.tar.gz", [_entry("dir", tarfile.DIRTYPE), _entry("dir/f.txt", data=b"x\n")],
+                   mode="w:gz")
+    destination = tmp_path / "dest"
+    extract_archive(archive, destination, run_as=(54321, 54321))
+    assert (destination / "dir" / "f.txt").read_bytes() == b"x\n"
+    assert (destination / "dir").stat().st_uid == (destination / "dir" / "f.txt").stat().st_uid == 54321
