@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sandboxes.paths import default_sandbox_root  # noqa: E402
 from webapp.server_command import asgi_server_command  # noqa: E402
 
 SETUP_SCRIPT = """
@@ -140,8 +141,9 @@ class Stack:
         env = {key: value for key, value in os.environ.items() if not key.startswith(("AGENT_", "CELERY_"))}
         env.update({"DATABASE_URL": self.database_url, "REDIS_URL": self.redis_url, "SANDBOX_BACKEND": "local",
                     "FLOWSTATE_STATE_DIR": str(self.state_dir), "FLOWSTATE_PROFILE": "development",
-                    # Sandbox init processes run as an unprivileged uid: their root must be traversable.
-                    "SANDBOX_ROOT": str(ROOT / "var" / "sandboxes"),
+                    # Sandbox init processes run as an unprivileged uid: their root must be traversable
+                    # (make run's default: var/sandboxes, or /var/lib/flowstate/... below a closed directory).
+                    "SANDBOX_ROOT": str(default_sandbox_root(ROOT / "var")),
                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         env.update(self.env_extra)
         return env
@@ -225,7 +227,7 @@ class Stack:
         return json.loads(out.split("OUTCOME", 1)[1].splitlines()[0])
 
     def statuses(self, address: str) -> dict[int, str]:
-        status, answer = self.request(address, "GET", "/api/tasks/?limit=1000")
+        status, answer = self.request(address, "GET", "/api/tasks/?limit=500")  # API_MAX_PAGE_SIZE's default
         if status != 200:
             return {}
         rows = answer["results"] if isinstance(answer, dict) else answer
