@@ -22,8 +22,6 @@ from rest_framework.exceptions import ValidationError as DRFValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
-from rest_framework.views import exception_handler as drf_exception_handler
-from rest_framework.views import set_rollback
 
 from webapp.core.validation import CONFLICT, Range, finite_json_loads, query_integer
 
@@ -145,6 +143,12 @@ def _codes(error: DjangoValidationError) -> set[str | None]:
 
 def exception_handler(exc, context):
     """DRF's handler, plus the services' ValidationError: 400 (or 409 for state conflicts) by field."""
+    # Imported here: rest_framework.views resolves DEFAULT_PARSER_CLASSES (this module's parser) when
+    # it is first imported, so importing it at the top would be circular for a process whose first
+    # touch of DRF is its pagination system check (manage.py fleet_serve).
+    from rest_framework.views import exception_handler as drf_exception_handler
+    from rest_framework.views import set_rollback
+
     if isinstance(exc, DjangoValidationError):
         code = status.HTTP_409_CONFLICT if _codes(exc) == {CONFLICT} else status.HTTP_400_BAD_REQUEST
         set_rollback()
