@@ -29,6 +29,14 @@ def pytest_report_header(config):
     ]
 
 
+@pytest.fixture(scope="module")
+def policy_checkpoint(tmp_path_factory):
+    """A tiny random policy checkpoint, built once per module that asks for it."""
+    from training.checkpoint import create_random_checkpoint
+
+    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
+
+
 @pytest.fixture(autouse=True)
 def registered_checkpoint(request, settings):
     """A launch may only name a registered checkpoint (docs/SECURITY.md): in a module that builds a

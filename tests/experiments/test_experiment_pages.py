@@ -15,15 +15,9 @@ import websockets
 from django.core.management import call_command
 from django.urls import reverse
 
-from training.checkpoint import create_random_checkpoint
 from webapp.accounts.services import api_token_get_or_create
 from webapp.experiments import services
 from webapp.experiments.models import BenchmarkRun, Experiment, ExperimentRollout, ExperimentStep
-
-
-@pytest.fixture(scope="module")
-def policy_checkpoint(tmp_path_factory):
-    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
 
 
 @pytest.fixture

@@ -15,16 +15,10 @@ from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.urls import reverse
 
-from training.checkpoint import create_random_checkpoint
 from webapp.agents.selectors import LIVE_CHANNEL_LAYER
 from webapp.experiments import services
 from webapp.experiments.consumers import ExperimentConsumer
 from webapp.experiments.models import Experiment, ExperimentCheckpoint, ExperimentRollout
-
-
-@pytest.fixture(scope="module")
-def policy_checkpoint(tmp_path_factory):
-    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
 
 
 @pytest.fixture

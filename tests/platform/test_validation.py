@@ -12,17 +12,11 @@ import json
 import pytest
 from django.core.exceptions import ValidationError
 
-from training.checkpoint import create_random_checkpoint
 from webapp.agents.models import AgentTask
 from webapp.core.validation import Range, integer_check, number_check, query_integer, text_check
 from webapp.experiments.models import Experiment
 
 GIT_URL = "https://example.com/acme/widgets.git"
-
-
-@pytest.fixture(scope="module")
-def policy_checkpoint(tmp_path_factory):
-    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
 
 
 def _post_raw(api, path: str, body: str):

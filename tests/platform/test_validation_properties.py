@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from training.checkpoint import create_random_checkpoint
 from webapp.agents.validation import agent_limit_bounds
 
 pytestmark = pytest.mark.django_db
@@ -48,11 +47,6 @@ def _post(api, path: str, body: dict):
 
 def _task_body(**changes) -> dict:
     return {"prompt": "Fix the bug", "backend": "scripted", "git_url": GIT_URL, **changes}
-
-
-@pytest.fixture(scope="module")
-def policy_checkpoint(tmp_path_factory):
-    return str(create_random_checkpoint(tmp_path_factory.mktemp("policy"), "tiny", seed=0, max_seq_len=4096))
 
 
 def _experiment_config(checkpoint: str, **changes) -> dict:
