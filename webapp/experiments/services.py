@@ -53,6 +53,16 @@ _publish = experiment_publish
 _status_message = experiment_status_message
 
 
+def __getattr__(name: str):
+    # The monitor moved to webapp.experiments.monitor, which imports this module; its names stay
+    # reachable here (services.experiment_monitor) without an import cycle.
+    if name in ("experiment_monitor", "MONITOR_POLL_S", "MONITOR_SLICE_S", "MAX_LAUNCHES_WITHOUT_PROGRESS"):
+        from webapp.experiments import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @transaction.atomic
 def experiment_create(
     *, owner, name: str, config: dict[str, Any], team=None, parent: Experiment | None = None
