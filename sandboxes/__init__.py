@@ -1,12 +1,12 @@
 """Sandboxes that run agent commands and tools, shared by cloud agents and RL training.
 
-``get_backend()`` picks the backend named by ``settings.SANDBOX_BACKEND`` (Django configured) or the
-``SANDBOX_BACKEND`` environment variable, defaulting to the local namespace backend.
+``get_backend()`` picks the backend named by the sandbox settings (``sandboxes.settings``: handed
+over by the web app from ``settings.SANDBOX_BACKEND``, else the ``SANDBOX_BACKEND`` environment
+variable), defaulting to the local namespace backend, and builds it from those settings once.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 from sandboxes.base import (
@@ -44,38 +44,28 @@ __all__ = [
     "get_backend",
 ]
 
-BACKEND_NAMES = ("local", "docker")
-
 _backends: dict[str, SandboxBackend] = {}
 _backends_lock = threading.Lock()
 
 
-def _configured_backend_name() -> str:
-    try:
-        from django.conf import settings
-
-        if settings.configured:
-            return str(getattr(settings, "SANDBOX_BACKEND", "local"))
-    except ImportError:
-        pass
-    return os.environ.get("SANDBOX_BACKEND", "") or "local"
-
-
 def get_backend(name: str | None = None) -> SandboxBackend:
     """Return the process-wide backend instance called ``name`` (default: the configured one)."""
-    chosen = name or _configured_backend_name()
+    from sandboxes.settings import BACKEND_NAMES, current
+
+    configured = current()
+    chosen = name or configured.backend
     if chosen not in BACKEND_NAMES:
         raise ValueError(f"unknown sandbox backend {chosen!r}; choose one of {', '.join(BACKEND_NAMES)}")
     with _backends_lock:
         backend = _backends.get(chosen)
         if backend is None:
             if chosen == "local":
-                from sandboxes.local_backend import LocalBackend
+                from sandboxes.local_backend import LocalBackend, LocalBackendConfig
 
-                backend = LocalBackend()
+                backend = LocalBackend(LocalBackendConfig(root=configured.root))
             else:
-                from sandboxes.docker_backend import DockerBackend
+                from sandboxes.docker_backend import DockerBackend, DockerBackendConfig
 
-                backend = DockerBackend()
+                backend = DockerBackend(DockerBackendConfig(image=configured.image, root=configured.root / "docker"))
             _backends[chosen] = backend
         return backend

@@ -7,7 +7,7 @@ container, so the host reads and writes workspace files through ``sandboxes.safe
 local backend does; file tools and diffs are byte-identical on both backends. Forking N sandboxes
 copies nothing: N overlays share one lower directory.
 
-Containers run the image named by ``settings.SANDBOX_IMAGE`` (``manage.py build_sandbox_image``) as
+Containers run the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
 uid 1000 with every capability dropped, ``no-new-privileges``, a read-only root filesystem, a sized
 tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network``. The
 container's main process is ``sleep <lifetime_s>`` under docker-init (both as ``nobody``, out of the
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import secrets
 import shutil
@@ -29,57 +28,34 @@ import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from sandboxes import safe_fs
+from sandboxes import proc
 from sandboxes.archives import ArchiveLimits
+from sandboxes.backend_core import COMMAND_ENV, CappedOutput, CoreBackend, CoreSandbox, setup_result_check
 from sandboxes.base import (
     WORKSPACE_DIR,
     BackendUnavailable,
-    DirEntry,
     ExecResult,
-    RepoSource,
-    Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxGone,
     SandboxLimits,
     Snapshot,
     SnapshotError,
 )
-from sandboxes.diffing import workspace_diff
-from sandboxes.materialize import materialize_source
+from sandboxes.settings import current as current_settings
 
 AGENT_UID = 1000
 # The container's init and lifetime timer run as "nobody", so an agent's `kill -9 -1` (which reaches
 # every process of its own uid) cannot end the sandbox from inside; agent commands run as AGENT_UID.
 KEEPER_UID = 65534
-SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "flowstate.sandbox"
 MNT_DETACH = 0x2
 RUNC_START_FAILURE = "OCI runtime exec failed"
-# Same environment as the local backend, so commands see the same variables on both.
-COMMAND_ENV = {
-    "PATH": SANDBOX_PATH, "HOME": WORKSPACE_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-    "USER": "sandbox", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1",
-}
-
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _configured(name: str, default):
-    try:
-        from django.conf import settings
-
-        if settings.configured:
-            return getattr(settings, name, default)
-    except ImportError:
-        pass
-    return os.environ.get(name) or default
 
 
 @dataclass(frozen=True)
@@ -87,9 +63,10 @@ class DockerBackendConfig:
     """Settings of the Docker backend."""
 
     image: str | None = None
-    """Default container image; ``None`` uses ``settings.SANDBOX_IMAGE`` (``flowstate-sandbox:latest``)."""
+    """Default container image; ``None``: the configured ``SANDBOX_IMAGE`` (``sandboxes.settings``;
+    ``flowstate-sandbox:latest``)."""
     root: Path | None = None
-    """Host state directory (snapshots, overlay mounts); default ``settings.SANDBOX_ROOT / "docker"``."""
+    """Host state directory (snapshots, overlay mounts); default: the configured ``SANDBOX_ROOT / "docker"``."""
     cpus: float = 1.0
     """CPU share of one sandbox (docker ``nano_cpus``), e.g. 0.5 for half a core."""
     tmp_mb: int = 256
@@ -122,18 +99,16 @@ class DockerBackendConfig:
             raise ValueError("DockerBackendConfig.start_workers must be between 1 and 64")
 
 
-def _process_start_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+def _owner_alive(labels: dict[str, str]) -> bool:
+    """Whether the process that started a container (its labels name it) still runs on this host."""
+    if labels.get("flowstate.owner-host") != socket.gethostname():
         return False
+    try:
+        pid = int(labels.get("flowstate.owner-pid", "0"))
+        recorded = int(labels.get("flowstate.owner-start", ""))
+    except ValueError:  # no start time recorded, or one of another form: the owner cannot be told apart
+        return False
+    return pid > 0 and proc.alive(pid, recorded)
 
 
 def _umount(path: Path) -> None:
@@ -149,20 +124,15 @@ def _mount(source: str, target: Path, fstype: str, options: str, cwd: Path | Non
         raise BackendUnavailable(f"mounting {fstype} on {target} failed: {result.stderr.strip()}")
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(CoreSandbox):
     """A sandbox run by ``DockerBackend``: one container plus its host-side workspace overlay."""
 
     def __init__(self, *, backend: DockerBackend, sandbox_id: str, snapshot: Snapshot, limits: SandboxLimits,
                  container_id: str, workspace_fd: int) -> None:
-        self.id = sandbox_id
-        self.snapshot = snapshot
-        self.limits = limits
-        self._backend = backend
+        super().__init__(backend=backend, sandbox_id=sandbox_id, snapshot=snapshot, limits=limits)
         self._container_id: str | None = container_id
         self._init_pid: int | None = None
         self._workspace_fd = workspace_fd
-        self._deadline = time.time() + limits.lifetime_s
-        self._lock = threading.RLock()
 
     @property
     def container_id(self) -> str | None:
@@ -177,50 +147,17 @@ class DockerSandbox(Sandbox):
             self._init_pid = self._backend._container_pid(self._container_id)
         return self._init_pid
 
-    @property
-    def deadline(self) -> float:
-        return self._deadline
+    def _handle(self) -> str | None:
+        return self._container_id
 
-    def _live(self) -> str:
-        container_id = self._container_id
-        if container_id is None:
-            raise SandboxGone(f"sandbox {self.id} was destroyed")
-        if time.time() >= self._deadline:
-            self.destroy()
-            raise SandboxGone(f"sandbox {self.id} reached its {self.limits.lifetime_s:g}s lifetime and was destroyed")
-        return container_id
+    def _workspace_fd_of(self, handle: str) -> int:
+        return self._workspace_fd
 
-    def exec(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError("command must be a non-empty string")
-        container_id = self._live()
-        limit = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
-        if limit <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        limit = min(limit, max(self._deadline - time.time(), 0.001))
+    def _run(self, handle: str, command: str, timeout_s: float) -> ExecResult:
         try:
-            return self._backend._exec(container_id, command, limit)
+            return self._backend._exec(handle, command, timeout_s)
         except SandboxGone:
-            self.destroy()
-            raise SandboxGone(f"sandbox {self.id} is no longer running (its container stopped)") from None
-
-    def read_bytes(self, path: str) -> bytes:
-        self._live()
-        return safe_fs.read_bytes(self._workspace_fd, path)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError("write_bytes needs bytes")
-        self._live()
-        safe_fs.write_bytes(self._workspace_fd, path, bytes(data), owner=(AGENT_UID, AGENT_UID))
-
-    def list_dir(self, path: str) -> list[DirEntry]:
-        self._live()
-        return safe_fs.list_dir(self._workspace_fd, path)
-
-    def diff(self) -> str:
-        self._live()
-        return workspace_diff(snapshot_dir=self.snapshot.location, workspace_fd=self._workspace_fd)
+            self._gone("is no longer running (its container stopped)")
 
     def reset(self) -> None:
         with self._lock:
@@ -243,19 +180,22 @@ class DockerSandbox(Sandbox):
             self._backend._teardown(self.id, container_id, fd)
 
 
-class DockerBackend(SandboxBackend):
+class DockerBackend(CoreBackend):
     """Sandboxes as Docker containers on the local engine (needs root for the host overlays)."""
 
     name = "docker"
+    snapshot_prefix = "dsnap-"
 
     def __init__(self, config: DockerBackendConfig | None = None) -> None:
         import docker
         from docker.errors import DockerException, ImageNotFound
 
         self.config = config or DockerBackendConfig()
-        self.image = self.config.image or str(_configured("SANDBOX_IMAGE", "flowstate-sandbox:latest"))
-        base = self.config.root or Path(_configured("SANDBOX_ROOT", "var/sandboxes")) / "docker"
-        self.root = Path(base).absolute()
+        configured = current_settings()
+        self.image = self.config.image or configured.image
+        self.root = Path(self.config.root or configured.root / "docker").absolute()
+        self.fork_workers = self.config.start_workers
+        self._agent_owner = (AGENT_UID, AGENT_UID)
         if os.geteuid() != 0:
             raise BackendUnavailable("the docker backend mounts workspace overlays on the host and needs root")
         try:
@@ -272,60 +212,19 @@ class DockerBackend(SandboxBackend):
         for sub in ("snapshots", "sandboxes"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._owner_pid = os.getpid()
-        self._owner_start = _process_start_time(self._owner_pid)
-        # (snapshot id, limits) -> [(started at, sandbox)], and how many each pool should hold.
-        self._pool: dict[tuple[str, SandboxLimits], list[tuple[float, DockerSandbox]]] = {}
-        self._pool_wanted: dict[tuple[str, SandboxLimits], tuple[Snapshot, int]] = {}
-        self._pool_lock = threading.Lock()
-        self._pool_wakeup = threading.Event()
-        self._refill_lock = threading.Lock()  # one refill at a time, or two would both fill the gap
-        self._pool_thread: threading.Thread | None = None
-        self._closed = False
+        self._owner_start = proc.start_time(self._owner_pid)
+        self._warm_pool_start()
 
     # Snapshots ----------------------------------------------------------------------------------
 
-    def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> Snapshot:
-        if not isinstance(source, RepoSource):
-            raise TypeError("source must be a RepoSource")
-        commands = tuple(setup_commands)
-        for command in commands:
-            if not isinstance(command, str) or not command.strip():
-                raise ValueError(f"setup commands must be non-empty strings, got {command!r}")
+    def _snapshot_image(self, image: str | None) -> str:
         chosen_image = image or self.image
         if chosen_image != self.image:
             self._require_image(chosen_image)
-        snapshot_id = "dsnap-" + secrets.token_hex(8)
-        staging = self.root / "snapshots" / f".{snapshot_id}.partial"
-        final = self.root / "snapshots" / snapshot_id
-        tree = staging / "tree"
-        staging.mkdir(parents=True)
-        try:
-            self._materialize(source, tree)
-            self._chown_tree(tree)
-            if commands:
-                self._run_setup(tree, chosen_image, commands)
-            (staging / "snapshot.json").write_text(json.dumps({
-                "id": snapshot_id, "source": [source.kind, source.location, source.ref],
-                "image": chosen_image, "setup_commands": list(commands),
-            }))
-            staging.rename(final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return Snapshot(id=snapshot_id, backend=self.name, source=source, image=chosen_image,
-                        setup_commands=commands, location=str(final / "tree"))
+        return chosen_image
 
-    def snapshot_delete(self, *, snapshot: Snapshot) -> None:
-        """Delete a snapshot's files; sandboxes still running on it must be destroyed first."""
-        with self._pool_lock:
-            doomed = []
-            for key in [k for k in self._pool_wanted if k[0] == snapshot.id]:
-                self._pool_wanted.pop(key)
-                doomed += [sandbox for _, sandbox in self._pool.pop(key, [])]
-        for sandbox in doomed:
-            sandbox.destroy()
-        shutil.rmtree(self.root / "snapshots" / snapshot.id, ignore_errors=True)
+    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
+        self._run_setup(tree, snapshot.image or self.image, commands)
 
     def _require_image(self, image: str) -> None:
         from docker.errors import ImageNotFound
@@ -335,18 +234,6 @@ class DockerBackend(SandboxBackend):
         except ImageNotFound:
             raise SnapshotError(f"image {image} is not present on this Docker engine (no registry is reachable)") from None
 
-    def _materialize(self, source: RepoSource, tree: Path) -> None:
-        materialize_source(source=source, tree=tree, run_as=(AGENT_UID, AGENT_UID),
-                           archive_limits=self.config.archive_limits)
-
-    @staticmethod
-    def _chown_tree(tree: Path) -> None:
-        os.chown(tree, AGENT_UID, AGENT_UID, follow_symlinks=False)
-        for dirpath, dirnames, filenames in os.walk(tree):
-            for name in dirnames + filenames:
-                os.chown(os.path.join(dirpath, name), AGENT_UID, AGENT_UID, follow_symlinks=False)
-        os.chmod(tree, 0o755)
-
     def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...]) -> None:
         limits = self.config.setup_limits
         sandbox_id = "dsetup-" + secrets.token_hex(6)
@@ -354,51 +241,13 @@ class DockerBackend(SandboxBackend):
                                           workspace=tree, deadline=time.time() + limits.lifetime_s)
         try:
             for command in commands:
-                result = self._exec(container, command, limits.command_timeout_s)
-                if result.exit_code != 0 or result.timed_out:
-                    why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
-                    tail = (result.stdout + result.stderr)[-2000:]
-                    raise SnapshotError(f"setup command {command!r} {why}: {tail}")
+                setup_result_check(command, self._exec(container, command, limits.command_timeout_s))
         finally:
             self._container_remove(container)
 
     # Sandboxes ----------------------------------------------------------------------------------
 
-    def sandbox_create(self, *, snapshot: Snapshot, limits: SandboxLimits) -> DockerSandbox:
-        self._check_snapshot(snapshot)
-        if not isinstance(limits, SandboxLimits):
-            raise TypeError("limits must be a SandboxLimits")
-        claimed = self._pool_claim(snapshot, limits)
-        if claimed is not None:
-            return claimed
-        return self._new_sandbox(snapshot, limits)
-
-    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> list[DockerSandbox]:
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"count must be a positive integer, got {count!r}")
-        self._check_snapshot(snapshot)
-        workers = min(count, self.config.start_workers)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-fork") as pool:
-            futures = [pool.submit(self.sandbox_create, snapshot=snapshot, limits=limits) for _ in range(count)]
-        created, errors = [], []
-        for future in futures:
-            try:
-                created.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - every started sandbox must be undone below
-                errors.append(exc)
-        if errors:
-            for sandbox in created:
-                sandbox.destroy()
-            raise errors[0]
-        return created
-
-    def _check_snapshot(self, snapshot: Snapshot) -> None:
-        if not isinstance(snapshot, Snapshot) or snapshot.backend != self.name:
-            raise SandboxError(f"snapshot {getattr(snapshot, 'id', snapshot)!r} was not made by the docker backend")
-        if not Path(snapshot.location).is_dir():
-            raise SandboxError(f"snapshot {snapshot.id} no longer exists at {snapshot.location}")
-
-    def _new_sandbox(self, snapshot: Snapshot, limits: SandboxLimits, extra_lifetime_s: float = 0.0) -> DockerSandbox:
+    def _new_sandbox(self, *, snapshot: Snapshot, limits: SandboxLimits, extra_lifetime_s: float = 0.0) -> DockerSandbox:
         sandbox_id = "dsb-" + secrets.token_hex(8)
         container_id, workspace_fd = self._start(sandbox_id=sandbox_id, snapshot=snapshot, limits=limits,
                                                  extra_lifetime_s=extra_lifetime_s)
@@ -542,17 +391,12 @@ class DockerBackend(SandboxBackend):
             if "is not running" in str(exc) or exc.response is not None and exc.response.status_code == 409:
                 raise SandboxGone(f"container {container_id[:12]} is not running") from None
             raise SandboxError(f"docker exec failed: {exc}") from exc
-        cap = self.config.max_output_bytes
-        buffers = {1: bytearray(), 2: bytearray()}
-        dropped = {1: 0, 2: 0}
+        buffers = {1: CappedOutput(self.config.max_output_bytes), 2: CappedOutput(self.config.max_output_bytes)}
 
         def pump() -> None:
             with contextlib.suppress(OSError, ValueError):
                 for stream_id, data in frames_iter(stream, tty=False):
-                    target = 2 if stream_id == 2 else 1
-                    room = max(cap - len(buffers[target]), 0)
-                    buffers[target] += data[:room]
-                    dropped[target] += len(data) - min(len(data), room)
+                    buffers[2 if stream_id == 2 else 1].add(data)
 
         reader = threading.Thread(target=pump, name="sandbox-exec-output", daemon=True)
         reader.start()
@@ -570,7 +414,7 @@ class DockerBackend(SandboxBackend):
             # Background children may keep the output open after the command exits; stop reading soon.
             if exited_at is None and reader.is_alive() and now - started > 0.1:
                 pid = pid or api.exec_inspect(exec_id).get("Pid") or 0
-                if pid and not _pid_running(pid):
+                if pid and not proc.alive(pid):
                     exited_at = now
             if exited_at is not None and now - exited_at > 0.2:
                 break
@@ -588,13 +432,7 @@ class DockerBackend(SandboxBackend):
         if not timed_out and exit_code == 137 and not self._container_running(container_id):
             raise SandboxGone(f"container {container_id[:12]} stopped while the command ran")
 
-        def decode(key: int) -> str:
-            text = bytes(buffers[key]).decode("utf-8", "replace")
-            if dropped[key]:
-                text += f"\n[sandbox: {dropped[key]} more bytes of output were dropped]\n"
-            return text
-
-        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=decode(1), stderr=decode(2),
+        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=buffers[1].text(), stderr=buffers[2].text(),
                           timed_out=timed_out, duration_s=time.monotonic() - started)
 
     def _kill_exec(self, exec_id: str) -> None:
@@ -629,106 +467,6 @@ class DockerBackend(SandboxBackend):
         except NotFound:
             return False
 
-    # Warm pool ----------------------------------------------------------------------------------
-
-    def prewarm(self, *, snapshot: Snapshot, limits: SandboxLimits, wait: bool = False,
-                count: int | None = None) -> None:
-        """Keep ``count`` (default ``config.warm_pool_size``) started sandboxes ready for (snapshot, limits).
-
-        A background thread refills the pool after each claim; ``wait`` fills it before returning.
-        """
-        self._check_snapshot(snapshot)
-        wanted = self.config.warm_pool_size if count is None else count
-        if not isinstance(wanted, int) or not 0 <= wanted <= 64:
-            raise ValueError(f"warm pool size must be between 0 and 64, got {wanted!r}")
-        key = (snapshot.id, limits)
-        with self._pool_lock:
-            self._pool_wanted[key] = (snapshot, wanted)
-            self._pool.setdefault(key, [])
-        if wait:
-            self._pool_refill_once()
-        self._ensure_pool_thread()
-        self._pool_wakeup.set()
-
-    def warm_count(self, *, snapshot: Snapshot, limits: SandboxLimits) -> int:
-        with self._pool_lock:
-            return len(self._pool.get((snapshot.id, limits), ()))
-
-    def _pool_claim(self, snapshot: Snapshot, limits: SandboxLimits) -> DockerSandbox | None:
-        key = (snapshot.id, limits)
-        claimed, stale = None, []
-        with self._pool_lock:
-            pool = self._pool.get(key)
-            while pool:
-                started, sandbox = pool.pop(0)
-                # Warm containers live lifetime_s + warm_max_idle_s, so a claim within the idle
-                # window still has the full lifetime ahead of it.
-                if sandbox.container_id and time.time() - started < self.config.warm_max_idle_s:
-                    claimed = sandbox
-                    break
-                stale.append(sandbox)
-        for sandbox in stale:
-            sandbox.destroy()
-        if key in self._pool_wanted:
-            self._pool_wakeup.set()
-        if claimed is not None:
-            claimed._deadline = time.time() + limits.lifetime_s
-        return claimed
-
-    def _ensure_pool_thread(self) -> None:
-        with self._pool_lock:
-            if self._pool_thread is None or not self._pool_thread.is_alive():
-                self._pool_thread = threading.Thread(target=self._pool_loop, name="docker-warm-pool", daemon=True)
-                self._pool_thread.start()
-
-    def _pool_loop(self) -> None:
-        while not self._closed:
-            self._pool_wakeup.wait(timeout=5.0)
-            self._pool_wakeup.clear()
-            if self._closed:
-                return
-            try:
-                self._pool_refill_once()
-            except SandboxError:
-                time.sleep(1.0)
-
-    def _pool_refill_once(self) -> None:
-        with self._refill_lock:
-            self._pool_refill_locked()
-
-    def _pool_refill_locked(self) -> None:
-        with self._pool_lock:
-            wanted = dict(self._pool_wanted)
-        for key, (snapshot, size) in wanted.items():
-            with self._pool_lock:
-                now = time.time()
-                pool = self._pool.setdefault(key, [])
-                stale = [entry for entry in pool if now - entry[0] >= self.config.warm_max_idle_s]
-                pool[:] = [entry for entry in pool if entry not in stale]
-                missing = size - len(pool)
-            for _, sandbox in stale:
-                sandbox.destroy()
-            if missing <= 0 or not Path(snapshot.location).is_dir():
-                continue
-            fresh = [self._new_sandbox(snapshot, key[1], extra_lifetime_s=self.config.warm_max_idle_s)
-                     for _ in range(missing)]
-            with self._pool_lock:
-                if key in self._pool_wanted and not self._closed:
-                    self._pool.setdefault(key, []).extend((time.time(), sandbox) for sandbox in fresh)
-                    fresh = []
-            for sandbox in fresh:
-                sandbox.destroy()
-
-    def close(self) -> None:
-        """Stop the warm pool and destroy its idle sandboxes (claimed sandboxes are left alone)."""
-        self._closed = True
-        self._pool_wakeup.set()
-        with self._pool_lock:
-            pools, self._pool, self._pool_wanted = self._pool, {}, {}
-        for pool in pools.values():
-            for _, sandbox in pool:
-                sandbox.destroy()
-
     # Reaping ------------------------------------------------------------------------------------
 
     def snapshots_in_use(self) -> set[str]:
@@ -738,22 +476,13 @@ class DockerBackend(SandboxBackend):
     def reap_orphans(self) -> int:
         """Remove containers of this state root whose owner process died, that expired, or that exited."""
         now = time.time()
-        hostname = socket.gethostname()
         reaped = 0
         containers = self._client.api.containers(all=True, filters={"label": [LABEL, f"flowstate.root={self.root}"]})
         live_ids = set()
         for container in containers:
             labels = container.get("Labels") or {}
             sandbox_id = labels.get("flowstate.sandbox-id", "")
-            owner_alive = False
-            if labels.get("flowstate.owner-host") == hostname:
-                try:
-                    pid = int(labels.get("flowstate.owner-pid", "0"))
-                    recorded = float(labels.get("flowstate.owner-start", "nan"))
-                except ValueError:
-                    pid, recorded = 0, float("nan")
-                current = _process_start_time(pid) if pid > 0 else None
-                owner_alive = current is not None and abs(current - recorded) < 0.01
+            owner_alive = _owner_alive(labels)
             expired = float(labels.get("flowstate.deadline", "0") or 0) <= now
             running = container.get("State") == "running"
             if owner_alive and running and not expired:

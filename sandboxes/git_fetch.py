@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from sandboxes.archives import unprivileged_prefix
 from sandboxes.base import SnapshotError
+from sandboxes.settings import current as current_settings
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +51,9 @@ class GitTarget:
 
 
 def allowed_hosts() -> frozenset[str]:
-    """Hosts whose internal addresses are accepted: Django's GIT_ALLOWED_HOSTS plus the environment's."""
-    hosts: list[str] = []
-    try:
-        from django.conf import settings
-
-        if settings.configured:
-            hosts = list(getattr(settings, "GIT_ALLOWED_HOSTS", []))
-    except ImportError:
-        pass
-    hosts += [h for h in os.environ.get("FLOWSTATE_GIT_ALLOWED_HOSTS", "").split(",") if h.strip()]
-    return frozenset(h.strip().lower() for h in hosts)
+    """Hosts whose internal addresses are accepted: the configured GIT_ALLOWED_HOSTS plus the environment's
+    FLOWSTATE_GIT_ALLOWED_HOSTS (``sandboxes.settings``)."""
+    return current_settings().git_hosts_allowed()
 
 
 def check_ref(ref: str) -> str:

@@ -29,46 +29,37 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sandboxes import paths, safe_fs
+from sandboxes import paths, proc
 from sandboxes.archives import ArchiveLimits
-from sandboxes.base import (
-    WORKSPACE_DIR,
-    BackendUnavailable,
-    DirEntry,
-    ExecResult,
-    RepoSource,
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxGone,
-    SandboxLimits,
-    Snapshot,
-    SnapshotError,
+from sandboxes.backend_core import (
+    COMMAND_ENV,
+    SANDBOX_PATH,
+    CappedOutput,
+    CoreBackend,
+    CoreSandbox,
+    setup_result_check,
 )
+from sandboxes.base import WORKSPACE_DIR, BackendUnavailable, ExecResult, SandboxError, SandboxLimits
 from sandboxes.cgroups import SandboxCgroup
-from sandboxes.diffing import workspace_diff
-from sandboxes.materialize import materialize_source
+from sandboxes.local_holder import HolderProcess as _Holder
+from sandboxes.settings import current as current_settings
+
+if TYPE_CHECKING:
+    from sandboxes.base import Snapshot
 
 HOLDER_SCRIPT = Path(__file__).with_name("_holder.py")
 AGENT_UID_INSIDE = 1000
 SLIRP_DNS = "10.0.2.3"
 """The DNS forwarder slirp4netns provides inside a networked sandbox."""
-SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def default_sandbox_root() -> Path:
-    try:
-        from django.conf import settings
-
-        if settings.configured and getattr(settings, "SANDBOX_ROOT", None):
-            return Path(settings.SANDBOX_ROOT)
-    except ImportError:
-        pass
-    return Path(os.environ.get("SANDBOX_ROOT") or paths.default_sandbox_root(Path("var"))).absolute()
+    """The configured sandbox state directory (``sandboxes.settings``)."""
+    return current_settings().root
 
 
 @dataclass(frozen=True)
@@ -76,7 +67,8 @@ class LocalBackendConfig:
     """Settings of the local namespace backend."""
 
     root: Path | None = None
-    """State directory (snapshots, sandbox mount points, registry); default settings.SANDBOX_ROOT."""
+    """State directory (snapshots, sandbox mount points, registry); default: the configured
+    ``SANDBOX_ROOT`` (``sandboxes.settings``)."""
     uid_base: int = 100_000
     """Running as root: host uid/gid that sandbox uid 0 maps to; sandbox uids 0..65535 map above it."""
     readonly_paths: tuple[str, ...] = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32")
@@ -121,86 +113,14 @@ class LocalBackendConfig:
                 raise ValueError(f"LocalBackendConfig path {path!r} would shadow a sandbox mount; remove it")
 
 
-def _process_start_time(pid: int) -> int | None:
-    """Kernel start time of a live process (None if gone or a zombie), to detect pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        if fields[0] in (b"Z", b"X"):
-            return None
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int, start_time: int | None) -> bool:
-    current = _process_start_time(pid)
-    return current is not None and (start_time is None or current == start_time)
-
-
-class _Holder:
-    """A running sandbox init process and the workspace fd the host uses."""
-
-    def __init__(self, pid: int, start_time: int | None, workspace_fd: int,
-                 network: subprocess.Popen[bytes] | None = None, cgroup: SandboxCgroup | None = None) -> None:
-        self.pid = pid
-        self.start_time = start_time
-        self.workspace_fd = workspace_fd
-        self.network = network
-        self.cgroup = cgroup
-
-    def alive(self) -> bool:
-        if not _pid_alive(self.pid, self.start_time):
-            return False
-        # A dying init drops its namespaces first, then waits for the rest of the sandbox to die.
-        try:
-            os.readlink(f"/proc/{self.pid}/ns/mnt")
-        except OSError:
-            return False
-        return True
-
-    def kill(self) -> None:
-        if self.workspace_fd >= 0:
-            os.close(self.workspace_fd)
-            self.workspace_fd = -1
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.network is not None:
-            self.network.kill()
-            self.network.wait()
-            self.network = None
-        deadline = time.monotonic() + 5.0
-        while self.alive() and time.monotonic() < deadline:
-            try:
-                os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.005)
-        if self.cgroup is not None:
-            self.cgroup.remove()
-            self.cgroup = None
-
-
-class LocalSandbox(Sandbox):
+class LocalSandbox(CoreSandbox):
     """A sandbox run by ``LocalBackend``."""
 
     def __init__(self, *, backend: LocalBackend, sandbox_id: str, snapshot: Snapshot, limits: SandboxLimits,
                  holder: _Holder, workspace_bind: str | None) -> None:
-        self.id = sandbox_id
-        self.snapshot = snapshot
-        self.limits = limits
-        self._backend = backend
+        super().__init__(backend=backend, sandbox_id=sandbox_id, snapshot=snapshot, limits=limits)
         self._holder: _Holder | None = holder
         self._workspace_bind = workspace_bind
-        self._deadline = time.time() + limits.lifetime_s
-        self._lock = threading.RLock()
-
-    @property
-    def deadline(self) -> float:
-        return self._deadline
 
     @property
     def holder_pid(self) -> int | None:
@@ -211,62 +131,36 @@ class LocalSandbox(Sandbox):
         """The whole-sandbox memory/pids cgroup, when the host supports one."""
         return self._holder.cgroup if self._holder else None
 
-    def _live_holder(self) -> _Holder:
-        holder = self._holder
-        if holder is None:
-            raise SandboxGone(f"sandbox {self.id} was destroyed")
-        if time.time() >= self._deadline:
-            self.destroy()
-            raise SandboxGone(f"sandbox {self.id} reached its {self.limits.lifetime_s:g}s lifetime and was destroyed")
-        if not holder.alive():
-            self.destroy()
-            raise SandboxGone(f"sandbox {self.id} is no longer running (its init process exited)")
-        return holder
+    def _handle(self) -> _Holder | None:
+        return self._holder
+
+    def _check_running(self, handle: _Holder) -> None:
+        if not handle.alive():
+            self._gone("is no longer running (its init process exited)")
+
+    def _workspace_fd_of(self, handle: _Holder) -> int:
+        return handle.workspace_fd
+
+    def _warm_usable(self) -> bool:
+        return self._holder is not None and self._holder.alive()
 
     def _restart_clock(self) -> None:
-        self._deadline = time.time() + self.limits.lifetime_s
+        super()._restart_clock()
         self._backend._registry_write(self)
 
-    # Commands -----------------------------------------------------------------------------------
-
-    def exec(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError("command must be a non-empty string")
-        holder = self._live_holder()
-        limit = self.limits.command_timeout_s if timeout_s is None else float(timeout_s)
-        if limit <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        limit = min(limit, max(self._deadline - time.time(), 0.001))
-        argv = self._backend._command_argv(holder, self.limits, command)
-        result = self._backend._run_bounded(argv, limit)
-        if not holder.alive():
+    def _run(self, handle: _Holder, command: str, timeout_s: float) -> ExecResult:
+        argv = self._backend._command_argv(handle, self.limits, command)
+        result = self._backend._run_bounded(argv, timeout_s)
+        if not handle.alive():
             # The sandbox ended under the command (lifetime, destroy, host kill): not the command's doing.
-            self.destroy()
-            raise SandboxGone(f"sandbox {self.id} ended while a command was running")
+            self._gone("ended while a command was running")
         return result
-
-    # Files --------------------------------------------------------------------------------------
-
-    def read_bytes(self, path: str) -> bytes:
-        return safe_fs.read_bytes(self._live_holder().workspace_fd, path)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError("write_bytes needs bytes")
-        safe_fs.write_bytes(self._live_holder().workspace_fd, path, bytes(data), owner=self._backend._agent_owner)
-
-    def list_dir(self, path: str) -> list[DirEntry]:
-        return safe_fs.list_dir(self._live_holder().workspace_fd, path)
-
-    def diff(self) -> str:
-        holder = self._live_holder()
-        return workspace_diff(snapshot_dir=self.snapshot.location, workspace_fd=holder.workspace_fd)
 
     # Lifecycle ----------------------------------------------------------------------------------
 
     def reset(self) -> None:
         with self._lock:
-            self._live_holder()
+            self._live()
             old = self._holder
             self._holder = self._backend._start_holder(
                 sandbox_id=self.id, snapshot=self.snapshot, limits=self.limits,
@@ -284,10 +178,12 @@ class LocalSandbox(Sandbox):
             self._backend._forget(self.id)
 
 
-class LocalBackend(SandboxBackend):
+class LocalBackend(CoreBackend):
     """Namespace + overlayfs sandboxes on this machine (root or rootless)."""
 
     name = "local"
+    snapshot_prefix = "snap-"
+    remember_claimed_pairs = True
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config or LocalBackendConfig()
@@ -319,7 +215,6 @@ class LocalBackend(SandboxBackend):
                 )
         # Sandboxes left behind by crashed owners would otherwise live until their lifetime ends.
         self.reap_orphans()
-        self._closed = False
         self._reset_process_state()
         # A forked child (e.g. a prefork Celery worker) must not share the parent's factory pipes or pool.
         reference = weakref.WeakMethod(self._after_fork_in_child)
@@ -347,113 +242,25 @@ class LocalBackend(SandboxBackend):
         self._factory: subprocess.Popen[bytes] | None = None
         self._factory_buffer = b""
         self._factory_lock = threading.Lock()
-        self._pool: dict[tuple[str, SandboxLimits], deque[tuple[float, LocalSandbox]]] = {}
-        self._pool_snapshots: dict[tuple[str, SandboxLimits], Snapshot] = {}
-        self._pool_lock = threading.Lock()
-        self._pool_wakeup = threading.Event()
-        self._pool_thread: threading.Thread | None = None
+        self._warm_pool_start()
 
     # Snapshots ----------------------------------------------------------------------------------
 
-    def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> Snapshot:
-        if not isinstance(source, RepoSource):
-            raise TypeError("source must be a RepoSource")
-        commands = tuple(setup_commands)
-        for command in commands:
-            if not isinstance(command, str) or not command.strip():
-                raise ValueError(f"setup commands must be non-empty strings, got {command!r}")
-        snapshot_id = "snap-" + secrets.token_hex(8)
-        staging = self.root / "snapshots" / f".{snapshot_id}.partial"
-        final = self.root / "snapshots" / snapshot_id
-        tree = staging / "tree"
-        staging.mkdir(parents=True)
-        try:
-            self._materialize(source, tree)
-            self._chown_tree(tree)
-            snapshot = Snapshot(
-                id=snapshot_id, backend=self.name, source=source, image=image, setup_commands=commands,
-                location=str(final / "tree"),
-            )
-            if commands:
-                self._run_setup(snapshot, tree, commands)
-            (staging / "snapshot.json").write_text(json.dumps({
-                "id": snapshot_id, "source": [source.kind, source.location, source.ref],
-                "setup_commands": list(commands), "created_at": snapshot.created_at,
-            }))
-            staging.rename(final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return snapshot
-
-    def snapshot_delete(self, *, snapshot: Snapshot) -> None:
-        """Delete a snapshot's files; sandboxes still running on it must be destroyed first."""
-        with self._pool_lock:
-            for key in [k for k in self._pool if k[0] == snapshot.id]:
-                for _, sandbox in self._pool.pop(key):
-                    sandbox.destroy()
-                self._pool_snapshots.pop(key, None)
-        shutil.rmtree(self.root / "snapshots" / snapshot.id, ignore_errors=True)
-
-    def _materialize(self, source: RepoSource, tree: Path) -> None:
-        materialize_source(source=source, tree=tree, run_as=self._agent_owner if not self.rootless else None,
-                           archive_limits=self.config.archive_limits)
-
-    def _chown_tree(self, tree: Path) -> None:
-        uid, gid = self._agent_owner
-        if os.geteuid() != 0:
-            return
-        os.chown(tree, uid, gid, follow_symlinks=False)
-        for dirpath, dirnames, filenames in os.walk(tree):
-            for name in dirnames + filenames:
-                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
-        os.chmod(tree, 0o755)
+    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
+        self._run_setup(snapshot, tree, commands)
 
     def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
         limits = self.config.setup_limits
         sandbox = self._new_sandbox(snapshot=snapshot, limits=limits, workspace_bind=str(tree))
         try:
             for command in commands:
-                result = sandbox.exec(command)
-                if result.exit_code != 0 or result.timed_out:
-                    why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
-                    tail = (result.stdout + result.stderr)[-2000:]
-                    raise SnapshotError(f"setup command {command!r} {why}: {tail}")
+                setup_result_check(command, sandbox.exec(command))
         finally:
             sandbox.destroy()
 
     # Sandboxes ----------------------------------------------------------------------------------
 
-    def sandbox_create(self, *, snapshot: Snapshot, limits: SandboxLimits) -> LocalSandbox:
-        self._check_snapshot(snapshot)
-        if not isinstance(limits, SandboxLimits):
-            raise TypeError("limits must be a SandboxLimits")
-        claimed = self._pool_claim(snapshot, limits)
-        if claimed is not None:
-            return claimed
-        return self._new_sandbox(snapshot=snapshot, limits=limits, workspace_bind=None)
-
-    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> list[LocalSandbox]:
-        if not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be a positive integer, got {count!r}")
-        created: list[LocalSandbox] = []
-        try:
-            for _ in range(count):
-                created.append(self.sandbox_create(snapshot=snapshot, limits=limits))
-        except BaseException:
-            for sandbox in created:
-                sandbox.destroy()
-            raise
-        return created
-
-    def _check_snapshot(self, snapshot: Snapshot) -> None:
-        if not isinstance(snapshot, Snapshot) or snapshot.backend != self.name:
-            raise SandboxError(f"snapshot {getattr(snapshot, 'id', snapshot)!r} was not made by the local backend")
-        if not Path(snapshot.location).is_dir():
-            raise SandboxError(f"snapshot {snapshot.id} no longer exists at {snapshot.location}")
-
-    def _new_sandbox(self, *, snapshot: Snapshot, limits: SandboxLimits, workspace_bind: str | None,
+    def _new_sandbox(self, *, snapshot: Snapshot, limits: SandboxLimits, workspace_bind: str | None = None,
                      extra_lifetime_s: float = 0.0) -> LocalSandbox:
         sandbox_id = "lsb-" + secrets.token_hex(8)
         holder = self._start_holder(sandbox_id=sandbox_id, snapshot=snapshot, limits=limits,
@@ -502,7 +309,7 @@ class LocalBackend(SandboxBackend):
             raise BackendUnavailable(f"sandbox {sandbox_id} could not be built: {answer[1:]}")
         pid = int(answer.split()[1])
         try:
-            start_time = _process_start_time(pid)
+            start_time = proc.start_time(pid)
             workspace_fd = os.open(f"/proc/{pid}/root{WORKSPACE_DIR}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             network = self._network_attach(pid, sandbox_dir / "network.log") if limits.network else None
             cgroup = None
@@ -612,19 +419,12 @@ class LocalBackend(SandboxBackend):
             "/bin/sh", "-c", command,
         ]
 
-    def _command_env(self) -> dict[str, str]:
-        return {
-            "PATH": SANDBOX_PATH, "HOME": WORKSPACE_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-            "USER": "sandbox", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1",
-        }
-
     def _run_bounded(self, argv: list[str], timeout_s: float) -> ExecResult:
         started = time.monotonic()
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env=self._command_env(), start_new_session=True, close_fds=True)
-        buffers = {process.stdout: bytearray(), process.stderr: bytearray()}
-        dropped = {process.stdout: 0, process.stderr: 0}
-        cap = self.config.max_output_bytes
+                                   env=dict(COMMAND_ENV), start_new_session=True, close_fds=True)
+        buffers = {process.stdout: CappedOutput(self.config.max_output_bytes),
+                   process.stderr: CappedOutput(self.config.max_output_bytes)}
         timed_out = False
         exited_at: float | None = None
         with selectors.DefaultSelector() as selector:
@@ -652,9 +452,7 @@ class LocalBackend(SandboxBackend):
                     if not chunk:
                         selector.unregister(stream)
                         continue
-                    room = cap - len(buffers[stream])
-                    buffers[stream] += chunk[:max(room, 0)]
-                    dropped[stream] += max(len(chunk) - max(room, 0), 0)
+                    buffers[stream].add(chunk)
         if not timed_out:
             # Both pipes can close before nsenter has reaped its child; only the timeout may kill.
             try:
@@ -667,15 +465,8 @@ class LocalBackend(SandboxBackend):
         for stream in buffers:
             stream.close()
         duration = time.monotonic() - started
-
-        def decode(stream) -> str:
-            text = buffers[stream].decode("utf-8", "replace")
-            if dropped[stream]:
-                text += f"\n[sandbox: {dropped[stream]} more bytes of output were dropped]\n"
-            return text
-
-        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=decode(process.stdout),
-                          stderr=decode(process.stderr), timed_out=timed_out, duration_s=duration)
+        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=buffers[process.stdout].text(),
+                          stderr=buffers[process.stderr].text(), timed_out=timed_out, duration_s=duration)
 
     @staticmethod
     def _kill_group(pgid: int) -> None:
@@ -684,92 +475,9 @@ class LocalBackend(SandboxBackend):
         except (ProcessLookupError, PermissionError):
             pass
 
-    # Warm pool ----------------------------------------------------------------------------------
-
-    def prewarm(self, *, snapshot: Snapshot, limits: SandboxLimits, wait: bool = False) -> None:
-        """Keep ``config.warm_pool_size`` started sandboxes ready for (snapshot, limits)."""
-        self._check_snapshot(snapshot)
-        if self.config.warm_pool_size == 0:
-            return
-        key = (snapshot.id, limits)
-        with self._pool_lock:
-            self._pool.setdefault(key, deque())
-            self._pool_snapshots[key] = snapshot
-        if wait:
-            self._pool_refill_once()
-        self._ensure_pool_thread()
-
-    def warm_count(self, *, snapshot: Snapshot, limits: SandboxLimits) -> int:
-        with self._pool_lock:
-            return len(self._pool.get((snapshot.id, limits), ()))
-
-    def _pool_claim(self, snapshot: Snapshot, limits: SandboxLimits) -> LocalSandbox | None:
-        if self.config.warm_pool_size == 0:
-            return None
-        key = (snapshot.id, limits)
-        claimed = None
-        with self._pool_lock:
-            entries = self._pool.setdefault(key, deque())
-            self._pool_snapshots[key] = snapshot
-            while entries:
-                started, sandbox = entries.popleft()
-                if time.time() - started < self.config.warm_max_idle_s and sandbox._holder and sandbox._holder.alive():
-                    claimed = sandbox
-                    break
-                sandbox.destroy()
-        self._ensure_pool_thread()
-        self._pool_wakeup.set()
-        if claimed is not None:
-            claimed._restart_clock()
-        return claimed
-
-    def _ensure_pool_thread(self) -> None:
-        with self._pool_lock:
-            if self._pool_thread is None or not self._pool_thread.is_alive():
-                self._pool_thread = threading.Thread(target=self._pool_loop, name="sandbox-warm-pool", daemon=True)
-                self._pool_thread.start()
-
-    def _pool_loop(self) -> None:
-        while not self._closed:
-            self._pool_wakeup.wait(timeout=5.0)
-            self._pool_wakeup.clear()
-            if self._closed:
-                return
-            try:
-                self._pool_refill_once()
-            except SandboxError:
-                time.sleep(1.0)
-
-    def _pool_refill_once(self) -> None:
-        with self._pool_lock:
-            keys = list(self._pool)
-        for key in keys:
-            while True:
-                with self._pool_lock:
-                    entries = self._pool.get(key)
-                    snapshot = self._pool_snapshots.get(key)
-                    if entries is None or snapshot is None or len(entries) >= self.config.warm_pool_size:
-                        break
-                if not Path(snapshot.location).is_dir():
-                    break
-                sandbox = self._new_sandbox(snapshot=snapshot, limits=key[1], workspace_bind=None,
-                                            extra_lifetime_s=self.config.warm_max_idle_s)
-                with self._pool_lock:
-                    if key in self._pool and not self._closed:
-                        self._pool[key].append((time.time(), sandbox))
-                        continue
-                sandbox.destroy()
-                break
-
     def close(self) -> None:
         """Stop the warm pool and destroy its idle sandboxes (claimed sandboxes are left alone)."""
-        self._closed = True
-        self._pool_wakeup.set()
-        with self._pool_lock:
-            pools, self._pool = self._pool, {}
-        for entries in pools.values():
-            for _, sandbox in entries:
-                sandbox.destroy()
+        super().close()
         with self._factory_lock:
             self._factory_stop()
 
@@ -784,7 +492,7 @@ class LocalBackend(SandboxBackend):
             return
         record = {
             "id": sandbox.id, "holder_pid": holder.pid, "holder_start": holder.start_time,
-            "owner_pid": os.getpid(), "owner_start": _process_start_time(os.getpid()),
+            "owner_pid": os.getpid(), "owner_start": proc.start_time(os.getpid()),
             "deadline": sandbox.deadline, "snapshot": sandbox.snapshot.id,
             "cgroups": [str(p) for p in holder.cgroup.paths.values()] if holder.cgroup else [],
         }
@@ -813,7 +521,7 @@ class LocalBackend(SandboxBackend):
                 record = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if _pid_alive(record["holder_pid"], record.get("holder_start")):
+            if proc.alive(record["holder_pid"], record.get("holder_start")):
                 # A record without its snapshot id (written before it was recorded) pins every snapshot.
                 in_use.add(record.get("snapshot", "*"))
         if "*" in in_use:
@@ -829,8 +537,8 @@ class LocalBackend(SandboxBackend):
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)
                 continue
-            owner_alive = _pid_alive(record["owner_pid"], record.get("owner_start"))
-            holder_alive = _pid_alive(record["holder_pid"], record.get("holder_start"))
+            owner_alive = proc.alive(record["owner_pid"], record.get("owner_start"))
+            holder_alive = proc.alive(record["holder_pid"], record.get("holder_start"))
             if owner_alive and holder_alive and record["deadline"] > now:
                 continue
             if holder_alive:

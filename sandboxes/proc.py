@@ -74,10 +74,20 @@ def proc_info(pid: int) -> ProcInfo | None:
 
 
 def alive(pid: int, start_time: int | None = None) -> bool:
-    """Running (not a zombie) and, given ``start_time``, still the same process (no pid reuse)."""
+    """Running (not a zombie) and, given ``start_time``, still the same process (no pid reuse).
+
+    The one liveness check of the code base: sandbox holders, container owners, exec'd commands and
+    experiment drivers are all tested with it."""
     info = proc_info(pid)
     return (info is not None and info.state not in ("Z", "X")
             and (start_time is None or info.start_time == start_time))
+
+
+def start_time(pid: int) -> int | None:
+    """Kernel start time of a live process (clock ticks after boot; None if gone or a zombie): with
+    the pid, it names one process across pid reuse (pass it to ``alive``)."""
+    info = proc_info(pid)
+    return info.start_time if info is not None and info.state not in ("Z", "X") else None
 
 
 def environ_value(pid: int, name: str) -> str | None:

@@ -25,6 +25,7 @@ from sandboxes.base import (
 )
 from sandboxes.fleet.host import SandboxHostActor, SandboxHostConfig, default_host_name
 from sandboxes.fleet.placement import HostLoad, PlacementError, host_pick, placement_candidates
+from sandboxes.settings import current as current_settings
 
 SLOT_RESOURCE = "sandbox_slots"
 FORWARDED_ENV = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SANDBOX_ROOT", "SANDBOX_IMAGE",
@@ -33,14 +34,7 @@ FORWARDED_ENV = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SANDBOX
 
 def _configured_sandbox_root() -> str:
     # Ray workers start in a scratch directory, so a relative default root would differ per worker.
-    try:
-        from django.conf import settings
-
-        if settings.configured:
-            return str(settings.SANDBOX_ROOT)
-    except ImportError:
-        pass
-    return os.path.abspath(os.environ.get("SANDBOX_ROOT") or "var/sandboxes")
+    return str(current_settings().root.absolute())
 
 
 @dataclass(frozen=True)

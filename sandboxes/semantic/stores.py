@@ -10,8 +10,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError, _django_setting
+from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
 from sandboxes.semantic.index import ChunkTable
+from sandboxes.settings import current as current_settings
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +63,6 @@ class MemoryVectorStore:
 
     def search(self, *, query: np.ndarray, k: int, exclude_paths: frozenset[str]) -> list[tuple[int, float]]:
         return table_search(table=self._table, query=query, k=k, exclude_paths=exclude_paths)
-
-
-def django_database_dsn() -> str | None:
-    """libpq DSN of Django's default database when it is PostgreSQL, else None."""
-    databases = _django_setting("DATABASES")
-    if not databases or databases["default"]["ENGINE"] != "django.db.backends.postgresql":
-        return None
-    from psycopg.conninfo import make_conninfo
-
-    database = databases["default"]
-    parts = {
-        "dbname": database.get("NAME") or None,
-        "user": database.get("USER") or None,
-        "password": database.get("PASSWORD") or None,
-        "host": database.get("HOST") or None,
-        "port": str(database["PORT"]) if database.get("PORT") else None,
-    }
-    return make_conninfo(**{key: value for key, value in parts.items() if value})
 
 
 def pgvector_available(dsn: str) -> bool:
@@ -206,7 +189,7 @@ def vector_store_create(*, table: ChunkTable, index_key: str, config: SemanticSe
     """The store ``config.vector_store`` asks for; ``auto`` picks pgvector when the database offers it."""
     if config.vector_store == "memory":
         return MemoryVectorStore(table)
-    dsn = config.database_dsn or django_database_dsn()
+    dsn = config.database_dsn or current_settings().database_dsn()
     if config.vector_store == "pgvector":
         if dsn is None:
             raise SemanticSearchError("vector_store='pgvector' needs a PostgreSQL database_dsn")

@@ -293,6 +293,13 @@ def test_service_errors_are_keyed_by_field_for_forms():
     assert plain.non_field_errors() == ["the experiment is already finished"]
 
 
+def test_service_errors_without_a_form_are_one_line():
+    from webapp.core.forms import service_error_text
+
+    assert service_error_text(ValidationError("the task already finished")) == "the task already finished"
+    assert service_error_text(ValidationError({"team": "not yours", "name": "taken"})) == "not yours; taken"
+
+
 # --- other inputs -------------------------------------------------------------------------------
 
 @pytest.mark.django_db

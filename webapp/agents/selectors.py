@@ -7,11 +7,10 @@ from datetime import date
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from webapp.agents.models import AgentTask, Repository, TaskEvent
+from webapp.core.publish import LIVE_CHANNEL_LAYER  # noqa: F401  (the consumers import it from here)
 from webapp.core.selectors import owned_get_visible, owned_visible_to
 
 TASK_GROUP_PREFIX = "agent-task-"
-LIVE_CHANNEL_LAYER = "agents-live"
-"""Channel layer alias (settings.CHANNEL_LAYERS) that carries live task events."""
 
 
 def task_group_name(*, task_id: int) -> str:

@@ -1,228 +1,60 @@
 """Writes of the agents app: repositories, task submission, the run itself, events, cancellation.
 
-Side effects (enqueueing the Celery task, publishing to the Channels group) happen only in
-``transaction.on_commit`` so nobody is told about rows that were rolled back.
+Side effects (enqueueing the Celery task, publishing to the Channels group through
+``webapp.core.publish``) happen only in ``transaction.on_commit`` so nobody is told about rows that
+were rolled back. Uploaded archives are checked in ``webapp.agents.archives``, the heartbeat thread
+is ``webapp.agents.heartbeat`` and RL rollouts are recorded by ``webapp.agents.rollouts``; their
+names are importable from here too.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import os
 import re
-import tarfile
 import threading
 import time
 import uuid
-import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from training.agent.config import AgentLimits
-from webapp.agents.models import AgentTask, Repository, TaskEvent
-from webapp.agents.selectors import LIVE_CHANNEL_LAYER, event_to_wire, event_wire, task_group_name
+from webapp.agents.archives import (  # noqa: F401  (importable from here, as before the split)
+    ARCHIVE_SUFFIXES,
+    MAX_ARCHIVE_MEMBERS,
+    MAX_ARCHIVE_UNPACKED_BYTES,
+    archive_store,
+)
+from webapp.agents.events import (  # noqa: F401
+    ClaimLost,
+    event_insert,
+    task_event_append,
+    task_status_publish_on_commit,
+)
+from webapp.agents.heartbeat import heartbeat_start, task_heartbeat  # noqa: F401
+from webapp.agents.models import AgentTask, Repository
+from webapp.agents.rollouts import rollout_record  # noqa: F401
+from webapp.agents.storable import storable_text
 from webapp.agents.validation import agent_limits_check, policy_options_check
+from webapp.core.publish import coalesce_events
 from webapp.core.validation import CONFLICT
 
 logger = logging.getLogger(__name__)
 
 GIT_URL_PATTERN = re.compile(r"^(https?://|git://)[^\s]+$")
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
-MAX_ARCHIVE_MEMBERS = 20_000
-MAX_ARCHIVE_UNPACKED_BYTES = 512 * 1024 * 1024
-DISPLAY_CHARS = 4000
 TASK_MESSAGE_PREFIX = "agent-task-"
-
-
-class ClaimLost(Exception):
-    """Another worker took the task over (or it finished); this worker must stop writing."""
-
-
-# --- Channels publishing ---------------------------------------------------------------------
-
-class _GroupPublisher:
-    """Sends group messages from one long-lived event loop thread, in submission order.
-
-    ``async_to_sync(group_send)`` per event would build a new event loop and Redis connection each
-    time (milliseconds) and block the agent; here the agent only enqueues. Order is kept because one
-    coroutine sends the messages one after another. A lost message costs a viewer nothing: the
-    consumer fills gaps from the database.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue | None = None
-        self._pid = 0
-
-    def _ensure_started(self) -> None:
-        with self._lock:
-            # After a fork (prefork Celery pool) the parent's thread does not exist in the child.
-            if self._loop is not None and self._pid == os.getpid():
-                return
-            self._pid = os.getpid()
-            self._loop = asyncio.new_event_loop()
-            self._queue = asyncio.Queue()
-            ready = threading.Event()
-            threading.Thread(target=self._serve, args=(ready,), name="channels-publisher", daemon=True).start()
-            ready.wait(5)
-
-    def _serve(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(ready.set)
-        self._loop.run_until_complete(self._drain())
-
-    async def _drain(self) -> None:
-        layer = get_channel_layer(LIVE_CHANNEL_LAYER)
-        while True:
-            batch = [await self._queue.get()]
-            # A turn's events are committed a few milliseconds apart; waiting a moment lets them
-            # leave as one message, which matters when hundreds of viewers each get every message.
-            await asyncio.sleep(COALESCE_WINDOW_S)
-            while not self._queue.empty() and len(batch) < MAX_EVENTS_PER_MESSAGE:
-                batch.append(self._queue.get_nowait())
-            for group, message in _coalesce_events([(group, message) for group, message, _ in batch]):
-                try:
-                    if layer is not None:
-                        await layer.group_send(group, message)
-                except Exception:  # a broken channel layer must not fail the run; viewers resume from the DB
-                    logger.exception("could not publish to %s", group)
-            for _, _, done in batch:
-                self._queue.task_done()
-                if done is not None:
-                    done.set()
-
-    def submit(self, group: str, message: dict, *, wait_s: float = 0.0) -> None:
-        self._ensure_started()
-        done = threading.Event() if wait_s else None
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (group, message, done))
-        if done is not None:
-            done.wait(wait_s)
-
-
-_publisher = _GroupPublisher()
-MAX_EVENTS_PER_MESSAGE = 64
-COALESCE_WINDOW_S = 0.01
-
-
-def _coalesce_events(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-    """Merge consecutive events of one task into one group message (one websocket frame per viewer).
-
-    A turn publishes several events within milliseconds (model output, its tool calls, then their
-    results); with hundreds of viewers each extra message costs hundreds of deliveries. Order is
-    kept: only neighbours merge, and a status message ends a run of events.
-    """
-    merged: list[tuple[str, dict]] = []
-    pending: list[str] = []
-    pending_group, first_seq, last_seq, first_ts = "", 0, 0, None
-
-    def flush() -> None:
-        if pending:
-            text = '{"type": "events", "events": [' + ", ".join(pending) + "]}"
-            merged.append((pending_group, {"type": "task.event", "seq": first_seq, "last_seq": last_seq, "ts": first_ts,
-                                           "text": text}))
-            pending.clear()
-
-    for group, message in items:
-        if message.get("type") != "task.event":
-            flush()
-            merged.append((group, message))
-            continue
-        if pending and (group != pending_group or message["seq"] != last_seq + 1):
-            flush()
-        if not pending:
-            pending_group, first_seq, first_ts = group, message["seq"], message.get("ts")
-        pending.append(message["event_json"])
-        last_seq = message["seq"]
-    flush()
-    return merged
-
-
-def _publish(*, task_id: int, message: dict) -> None:
-    # The final status waits briefly so a process that exits right after (demo seeding) still sends it.
-    final = message.get("type") == "task.status" and message.get("status") in AgentTask.FINISHED
-    _publisher.submit(task_group_name(task_id=task_id), message, wait_s=2.0 if final else 0.0)
-
-
-def _publish_status_on_commit(task: AgentTask) -> None:
-    message = {"type": "task.status", "status": task.status, "reason": task.status_reason, "last_seq": task.last_seq}
-    transaction.on_commit(lambda: _publish(task_id=task.pk, message=message))
+_coalesce_events = coalesce_events  # the name tests and older callers use
 
 
 # --- Repositories ----------------------------------------------------------------------------
-
-def archive_store(*, upload: UploadedFile) -> Path:
-    """Validate an uploaded archive and keep it under the state dir; refuse anything unsafe."""
-    name = upload.name or ""
-    if not name.lower().endswith(ARCHIVE_SUFFIXES):
-        raise ValidationError({"archive": f"'{name}' is not a supported archive; upload a .tar.gz, .tgz, .tar or .zip file"})
-    if upload.size > settings.MAX_UPLOAD_BYTES:
-        raise ValidationError({"archive": f"the archive is {upload.size} bytes; the limit is {settings.MAX_UPLOAD_BYTES} bytes"})
-    target_dir = Path(settings.STATE_DIR) / "uploads"
-    target_dir.mkdir(parents=True, exist_ok=True)
-    suffix = next(s for s in ARCHIVE_SUFFIXES if name.lower().endswith(s))
-    target = target_dir / f"{uuid.uuid4().hex}{suffix}"
-    with target.open("wb") as out:
-        for chunk in upload.chunks():
-            out.write(chunk)
-    try:
-        _archive_check(target)
-    except ValidationError:
-        target.unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _member_problem(member_name: str) -> str | None:
-    if member_name.startswith("/") or re.match(r"^[A-Za-z]:", member_name):
-        return f"member '{member_name}' has an absolute path"
-    if ".." in Path(member_name).parts:
-        return f"member '{member_name}' escapes the archive with '..'"
-    return None
-
-
-def _archive_check(path: Path) -> None:
-    total = 0
-    try:
-        if path.name.endswith(".zip"):
-            with zipfile.ZipFile(path) as archive:
-                members = archive.infolist()
-                if len(members) > MAX_ARCHIVE_MEMBERS:
-                    raise ValidationError({"archive": f"the archive has {len(members)} members; the limit is {MAX_ARCHIVE_MEMBERS}"})
-                for info in members:
-                    if problem := _member_problem(info.filename):
-                        raise ValidationError({"archive": problem})
-                    total += info.file_size
-        else:
-            with tarfile.open(path) as archive:
-                for count, member in enumerate(archive, start=1):
-                    if count > MAX_ARCHIVE_MEMBERS:
-                        raise ValidationError({"archive": f"the archive has more than {MAX_ARCHIVE_MEMBERS} members"})
-                    if problem := _member_problem(member.name):
-                        raise ValidationError({"archive": problem})
-                    if member.issym() or member.islnk():
-                        target = member.linkname
-                        if target.startswith("/") or ".." in Path(target).parts:
-                            raise ValidationError({"archive": f"link '{member.name}' points outside the archive ({target})"})
-                    elif not (member.isfile() or member.isdir()):
-                        raise ValidationError({"archive": f"member '{member.name}' is a device or fifo, which is not allowed"})
-                    total += member.size
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
-        raise ValidationError({"archive": f"the archive is malformed or truncated and cannot be read ({exc})"}) from exc
-    if total > MAX_ARCHIVE_UNPACKED_BYTES:
-        raise ValidationError({"archive": f"the archive unpacks to {total} bytes; the limit is {MAX_ARCHIVE_UNPACKED_BYTES} bytes"})
-
 
 def git_url_check(*, url: str) -> str:
     """Syntax, scheme and (for address literals and names that resolve now) the outbound address guard.
@@ -387,7 +219,7 @@ def task_cancel(*, task: AgentTask, user) -> AgentTask:
         task.status_reason = f"cancelled by {user.get_username()} before it started"
         task.finished_at = timezone.now()
     task.save(update_fields=["cancel_requested", "status", "status_reason", "finished_at"])
-    _publish_status_on_commit(task)
+    task_status_publish_on_commit(task)
     return task
 
 
@@ -406,7 +238,7 @@ def _claim_token_won(*, task_id: int, query, updates: dict) -> AgentTask | None:
 def _task_running_mark(task: AgentTask) -> tuple[AgentTask, uuid.UUID]:
     task.status_reason = f"attempt {task.attempt} running"
     task.save(update_fields=["status_reason"])
-    _publish_status_on_commit(task)
+    task_status_publish_on_commit(task)
     return task, task.claim_token
 
 
@@ -441,7 +273,7 @@ def task_claim(*, task_id: int) -> tuple[AgentTask, uuid.UUID] | None:
             f"the worker running attempt {task.attempt} stopped responding and no attempts are left "
             f"(AGENT_MAX_ATTEMPTS={settings.AGENT_MAX_ATTEMPTS})"))
         return None
-    _event_insert(task, kind="retry", turn=0, payload={
+    event_insert(task, kind="retry", turn=0, payload={
         "reason": f"the worker running attempt {task.attempt} stopped responding; restarting in a fresh sandbox",
         "previous_attempt": task.attempt,
     })
@@ -456,115 +288,13 @@ def task_claim(*, task_id: int) -> tuple[AgentTask, uuid.UUID] | None:
     return _task_running_mark(claimed)
 
 
-def storable_text(value):
-    """`value` with NUL characters replaced by U+FFFD, through dicts and lists.
-
-    PostgreSQL text and jsonb cannot hold NUL, and model output (a random or early checkpoint emits
-    any byte) or a tool's output (a binary file) may contain it; storing it raw would fail the whole
-    rollout or event write and lose it.
-    """
-    if isinstance(value, str):
-        return value.replace("\x00", "\ufffd") if "\x00" in value else value
-    if isinstance(value, dict):
-        return {storable_text(key): storable_text(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [storable_text(item) for item in value]
-    return value
-
-
-def _event_fields(kind: str, payload: dict) -> tuple[dict, str, str]:
-    """Split a loop event payload into (stored payload with truncated display, full output, tool name)."""
-    payload = storable_text(dict(payload))
-    full_output = ""
-    if kind == "tool_result":
-        full_output = payload.pop("output", "") or ""
-        display = payload.get("display") or full_output
-        if len(display) > DISPLAY_CHARS:
-            display = display[:DISPLAY_CHARS] + f"\n[... {len(full_output) - DISPLAY_CHARS} more characters; open the full result]"
-        payload["display"] = display
-        payload["output_chars"] = len(full_output)
-    tool_name = (payload.get("name") or "")[:50] if kind in ("tool_call", "tool_result") else ""
-    return payload, full_output, tool_name
-
-
-def _publish_event_on_commit(*, task_id: int, wire: dict) -> None:
-    # Serialised once here instead of once per viewer: a task may have hundreds of viewers.
-    message = {"type": "task.event", "seq": wire["seq"], "ts": wire["ts"], "event_json": json.dumps(wire)}
-    transaction.on_commit(lambda: _publish(task_id=task_id, message=message))
-
-
-def _event_insert(task: AgentTask, *, kind: str, turn: int, payload: dict, ts: float | None = None) -> TaskEvent:
-    """Insert the next event of a locked task row and publish it after commit."""
-    payload, full_output, tool_name = _event_fields(kind, payload)
-    task.last_seq += 1
-    event = TaskEvent.objects.create(
-        task=task, seq=task.last_seq, kind=kind, turn=turn, attempt=max(task.attempt, 1), tool_name=tool_name,
-        payload=payload, full_output=full_output, ts=ts if ts is not None else timezone.now().timestamp(),
-    )
-    _publish_event_on_commit(task_id=task.pk, wire=event_to_wire(event=event))
-    return event
-
-
-# One statement = one round trip and its own transaction: claim check, sequence number, heartbeat
-# and the event row together. The live view's latency is mostly this write.
-_APPEND_SQL = """
-WITH claimed AS (
-    UPDATE {task_table} SET last_seq = last_seq + 1, heartbeat_at = %(now)s
-    WHERE id = %(task_id)s AND claim_token = %(token)s AND status = 'running'
-    RETURNING id, last_seq, attempt
-)
-INSERT INTO {event_table} (task_id, seq, kind, turn, tool_name, attempt, payload, full_output, ts)
-SELECT id, last_seq, %(kind)s, %(turn)s, %(tool_name)s, GREATEST(attempt, 1), %(payload)s::jsonb, %(full_output)s, %(ts)s
-FROM claimed
-RETURNING seq, attempt
-"""
-
-
-def task_event_append(*, task_id: int, claim_token: uuid.UUID, event: dict) -> int:
-    """Persist one loop event for the worker holding the claim and publish it after commit; return
-    its sequence number. Raise ``ClaimLost`` when another worker holds the task (or it finished)."""
-    kind, turn = event["kind"], event.get("turn", 0)
-    ts = event.get("ts") or timezone.now().timestamp()
-    payload, full_output, tool_name = _event_fields(kind, event.get("payload", {}))
-    if connection.vendor == "postgresql":
-        sql = _APPEND_SQL.format(task_table=AgentTask._meta.db_table, event_table=TaskEvent._meta.db_table)
-        with connection.cursor() as cursor:
-            cursor.execute(sql, {"now": timezone.now(), "task_id": task_id, "token": claim_token, "kind": kind,
-                                 "turn": turn, "tool_name": tool_name, "payload": json.dumps(payload),
-                                 "full_output": full_output, "ts": ts})
-            row = cursor.fetchone()
-        if row is None:
-            raise ClaimLost(f"task {task_id} is no longer claimed by this worker")
-        seq, attempt = row
-    else:
-        with transaction.atomic():
-            task = AgentTask.objects.select_for_update().filter(pk=task_id, claim_token=claim_token,
-                                                                status=AgentTask.Status.RUNNING).first()
-            if task is None:
-                raise ClaimLost(f"task {task_id} is no longer claimed by this worker")
-            task.last_seq += 1
-            task.heartbeat_at = timezone.now()
-            task.save(update_fields=["last_seq", "heartbeat_at"])
-            seq, attempt = task.last_seq, max(task.attempt, 1)
-            TaskEvent.objects.create(task=task, seq=seq, kind=kind, turn=turn, attempt=attempt, tool_name=tool_name,
-                                     payload=payload, full_output=full_output, ts=ts)
-    _publish_event_on_commit(task_id=task_id, wire=event_wire(seq=seq, kind=kind, turn=turn, ts=ts, attempt=attempt,
-                                                              payload=payload, has_full_output=bool(full_output)))
-    return seq
-
-
-def task_heartbeat(*, task_id: int, claim_token: uuid.UUID) -> bool:
-    return bool(AgentTask.objects.filter(pk=task_id, claim_token=claim_token, status=AgentTask.Status.RUNNING)
-                .update(heartbeat_at=timezone.now()))
-
-
 def _task_finish_row(task: AgentTask, *, status: str, reason: str) -> None:
     task.status = status
     task.status_reason = reason
     task.finished_at = timezone.now()
     task.claim_token = None
     task.save(update_fields=["status", "status_reason", "finished_at", "claim_token"])
-    _publish_status_on_commit(task)
+    task_status_publish_on_commit(task)
 
 
 @transaction.atomic
@@ -593,7 +323,7 @@ def task_fail(*, task_id: int, claim_token: uuid.UUID | None, reason: str) -> No
     task = query.first()
     if task is None or task.is_finished:
         return
-    _event_insert(task, kind="error", turn=0, payload={"message": reason, "infrastructure": True})
+    event_insert(task, kind="error", turn=0, payload={"message": reason, "infrastructure": True})
     task.save(update_fields=["last_seq"])
     _task_finish_row(task, status=AgentTask.Status.FAILED, reason=reason)
 
@@ -627,25 +357,6 @@ def _db_retry(call, *, what: str, attempts: int = 5):
             close_old_connections()
             time.sleep(0.5 * attempt)
     return None
-
-
-def _heartbeat_start(*, task_id: int, token: uuid.UUID, lost: threading.Event) -> threading.Event:
-    """Refresh the heartbeat until the returned event is set; set ``lost`` when the claim is gone."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(settings.AGENT_HEARTBEAT_S):
-            try:
-                if not task_heartbeat(task_id=task_id, claim_token=token):
-                    lost.set()  # another worker took over (or the task ended): the agent must stop
-                    return
-            except Exception:
-                logger.exception("heartbeat of task %s failed", task_id)
-            finally:
-                connection.close()
-
-    threading.Thread(target=beat, name=f"heartbeat-task-{task_id}", daemon=True).start()
-    return stop
 
 
 def _snapshot_discard(backend, snapshot, task_id: int) -> None:
@@ -696,7 +407,7 @@ def task_run(*, task_id: int) -> str:
     task, token = claimed
     limits = AgentLimits.from_dict(task.limits)
     lost = threading.Event()
-    stop_heartbeat = _heartbeat_start(task_id=task_id, token=token, lost=lost)
+    stop_heartbeat = heartbeat_start(task_id=task_id, token=token, lost=lost)
 
     def fail(reason: str) -> None:
         _db_retry(lambda: task_fail(task_id=task_id, claim_token=token, reason=reason), what=f"failing task {task_id}")
@@ -786,64 +497,3 @@ def tasks_recover_stale() -> int:
     return len(ids)
 
 
-# --- RL rollouts ---------------------------------------------------------------------------
-
-@transaction.atomic
-def rollout_record(
-    *,
-    owner,
-    result,
-    prompt: str,
-    experiment_name: str,
-    repo_label: str,
-    model_name: str,
-    training_step: int | None = None,
-    reward: float | None = None,
-    advantage: float | None = None,
-    team=None,
-) -> AgentTask:
-    """Store a finished RL rollout so it appears in the trace browser next to product tasks.
-
-    How to record one (training side)::
-
-        result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits)
-        reward = score_rollout(sandbox=sandbox, task=task)
-        rollout_record(owner=experiment.owner, team=experiment.team, result=result, prompt=task.prompt,
-                       experiment_name=experiment.name, repo_label=f"toy-{seed}", model_name=checkpoint_name,
-                       training_step=step, reward=reward.value, advantage=advantage)
-
-    ``result.events`` (the loop's events, full tool outputs included) are stored as ``TaskEvent``
-    rows exactly like a live task's. Rollouts that stopped on an infrastructure error should be
-    recorded with ``reward=None``, never as a zero reward.
-    """
-    if not experiment_name:
-        raise ValidationError({"experiment_name": "a rollout must name its experiment"})
-    status = result.status if result.status in AgentTask.Status.values else AgentTask.Status.FAILED
-    now = timezone.now()
-    task = AgentTask.objects.create(
-        owner=owner, team=team, source=AgentTask.Source.TRAINING, repo_kind=Repository.Kind.PATH,
-        repo_location="", repo_label=repo_label[:200], prompt=storable_text(prompt), backend=AgentTask.Backend.BUILTIN,
-        model_name=model_name[:200], status=status, status_reason=storable_text(result.reason), attempt=1,
-        started_at=now - timedelta(seconds=result.duration_s), finished_at=now,
-        final_message=storable_text(result.final_message), diff=storable_text(result.diff),
-        messages=storable_text(result.messages), turns=result.turns, prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens, experiment_name=experiment_name[:200],
-        training_step=training_step, reward=reward, advantage=advantage,
-    )
-    rows = []
-    for seq, event in enumerate(result.events):
-        payload = storable_text(dict(event.get("payload", {})))
-        full_output = payload.pop("output", "") if event["kind"] == "tool_result" else ""
-        if full_output and len(payload.get("display") or "") > DISPLAY_CHARS:
-            payload["display"] = payload["display"][:DISPLAY_CHARS]
-        if event["kind"] == "tool_result":
-            payload["output_chars"] = len(full_output)
-        rows.append(TaskEvent(
-            task=task, seq=seq, kind=event["kind"], turn=event.get("turn", 0), attempt=1,
-            tool_name=(payload.get("name") or "")[:50] if event["kind"] in ("tool_call", "tool_result") else "",
-            payload=payload, full_output=full_output or "", ts=event.get("ts") or now.timestamp(),
-        ))
-    TaskEvent.objects.bulk_create(rows, batch_size=500)
-    task.last_seq = len(rows) - 1
-    task.save(update_fields=["last_seq"])
-    return task

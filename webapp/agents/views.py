@@ -17,7 +17,7 @@ from sandboxes.tools import TOOL_NAMES
 from webapp.agents import selectors, services
 from webapp.agents.forms import RepositoryForm, TaskSubmitForm
 from webapp.agents.models import AgentTask
-from webapp.core.forms import form_add_service_error
+from webapp.core.forms import form_add_service_error, message_add_service_error
 from webapp.core.selectors import owned_get_for_change
 from webapp.core.validation import Range, number_check, text_check
 
@@ -132,7 +132,7 @@ def task_cancel(request, pk: int):
         services.task_cancel(task=task, user=request.user)
         messages.info(request, f"Cancellation of task {task.pk} requested.")
     except ValidationError as exc:
-        messages.error(request, "; ".join(exc.messages))
+        message_add_service_error(request, exc)
     return redirect("agents:task-detail", pk=pk)
 
 

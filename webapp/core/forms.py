@@ -1,4 +1,8 @@
-"""Form helpers shared by every app: the services' errors shown next to the fields they name."""
+"""Form helpers shared by every app: the services' errors shown next to the fields they name, or as one
+line where there is no form (a flash message after a button, a management command's error).
+
+Services raise one error type, Django's ``ValidationError``; the REST API translates it in one
+place (``webapp.core.api.exception_handler``), pages and commands through the helpers here."""
 
 from __future__ import annotations
 
@@ -18,6 +22,18 @@ def form_add_service_error(form: forms.Form, error: ValidationError, *, field_na
     for field, messages in error.message_dict.items():
         name = renames.get(field, field)
         form.add_error(name if name in form.fields else None, messages)
+
+
+def service_error_text(error: ValidationError) -> str:
+    """A service's ValidationError as one line: its messages joined by "; "."""
+    return "; ".join(error.messages)
+
+
+def message_add_service_error(request, error: ValidationError) -> None:
+    """Show a service's ValidationError as an error message on the next page (a button without a form)."""
+    from django.contrib import messages
+
+    messages.error(request, service_error_text(error))
 
 
 def bounded_number_field(field_class: type[forms.Field], bounds: Range | None, **options) -> forms.Field:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-from django.db import transaction
+from webapp.core.publish import DEFAULT_CHANNEL_LAYER, publish_on_commit
 
 
 def user_group_name(user_id: int) -> str:
@@ -12,9 +10,7 @@ def user_group_name(user_id: int) -> str:
 
 
 def notification_send_on_commit(*, user_id: int, event: dict) -> None:
-    """Publish `event` to the user's websocket group once the current transaction commits."""
-
-    def publish() -> None:
-        async_to_sync(get_channel_layer().group_send)(user_group_name(user_id), {"type": "notify", "event": event})
-
-    transaction.on_commit(publish)
+    """Publish `event` to the user's websocket group once the current transaction commits
+    (through the process's batched publisher, ``webapp.core.publish``)."""
+    publish_on_commit(group=user_group_name(user_id), message={"type": "notify", "event": event},
+                      layer=DEFAULT_CHANNEL_LAYER)

@@ -1,21 +1,17 @@
-"""Writes of the experiments app: launch/pause/resume/cancel/clone, the driver monitor, benchmarks.
+"""Writes of the experiments app: launch/pause/resume/cancel/clone, ingestion of the driver's logs, benchmarks.
 
 The RL driver (training.rollout.driver) runs as its own process. Celery only launches and monitors
-it (`experiment_monitor`): it restarts a driver that died (the driver resumes from its checkpoint),
-turns pause/cancel requests into SIGTERM, and copies the driver's checkpointed logs into the
-database. Only steps covered by a checkpoint are ingested, and rows are unique per (experiment,
-step) and (experiment, rollout id), so a restart never records a rollout twice.
+it (``webapp.experiments.monitor.experiment_monitor``; the process itself: ``driver_process``): it
+restarts a driver that died (the driver resumes from its checkpoint), turns pause/cancel requests
+into SIGTERM, and copies the driver's checkpointed logs into the database (``experiment_ingest``).
+Only steps covered by a checkpoint are ingested, and rows are unique per (experiment, step) and
+(experiment, rollout id), so a restart never records a rollout twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +23,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from webapp.core.validation import CONFLICT
+from webapp.experiments.events import experiment_publish, experiment_status_message
 from webapp.experiments.models import (
     BenchmarkRun,
     BenchmarkTaskResult,
@@ -36,16 +33,10 @@ from webapp.experiments.models import (
     ExperimentStep,
     RepositoryRecipe,
 )
-from webapp.experiments.selectors import experiment_group_name
 from webapp.experiments.validation import experiment_config_check
 
 logger = logging.getLogger(__name__)
 
-MONITOR_POLL_S = 1.0
-MONITOR_SLICE_S = 600.0
-"""A monitor task hands over to a fresh one after this long, staying far below Celery's time limit."""
-MAX_LAUNCHES_WITHOUT_PROGRESS = 3
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _experiments_root() -> Path:
@@ -58,28 +49,18 @@ def _enqueue_monitor(experiment_id: int) -> None:
     transaction.on_commit(lambda: experiment_monitor_task.delay(experiment_id))
 
 
-def _publish(experiment: Experiment, message: dict) -> None:
-    # The agents app's publisher owns one event loop thread for the live (pub/sub) layer; a viewer
-    # that misses a message reloads from the snapshot the consumer sends on connect.
-    from webapp.agents.services import _publisher
-
-    group = experiment_group_name(experiment_id=experiment.pk)
-    wait_s = (
-        2.0 if message.get("kind") == "status" and message.get("status") not in Experiment.ACTIVE else 0.0
-    )
-    transaction.on_commit(
-        lambda: _publisher.submit(group, {"type": "experiment.update", "message": message}, wait_s=wait_s)
-    )
+_publish = experiment_publish
+_status_message = experiment_status_message
 
 
-def _status_message(experiment: Experiment) -> dict:
-    return {
-        "kind": "status",
-        "status": experiment.status,
-        "reason": experiment.status_reason,
-        "current_step": experiment.current_step,
-        "total_steps": experiment.total_steps,
-    }
+def __getattr__(name: str):
+    # The monitor moved to webapp.experiments.monitor, which imports this module; its names stay
+    # reachable here (services.experiment_monitor) without an import cycle.
+    if name in ("experiment_monitor", "MONITOR_POLL_S", "MONITOR_SLICE_S", "MAX_LAUNCHES_WITHOUT_PROGRESS"):
+        from webapp.experiments import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @transaction.atomic
@@ -286,195 +267,6 @@ def _rollout_row_create(*, experiment: Experiment, row: dict, trace: dict) -> Ex
         status=row["status"][:2000],
         trace=_rollout_trace_create(experiment=experiment, row=row, trace=trace),
     )
-
-
-# --- the driver process ------------------------------------------------------------------------
-
-
-def _driver_alive(pid: int | None, run_dir: str) -> bool:
-    """True if `pid` is a live driver process of this run directory (pids get reused)."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            command = handle.read().split(b"\0")
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return (
-        state != "Z"
-        and b"training.rollout.driver" in command
-        and any(
-            part.decode(errors="replace") == str(Path(run_dir) / "driver_config.json") for part in command
-        )
-    )
-
-
-def _driver_launch(experiment: Experiment) -> subprocess.Popen:
-    run_dir = Path(experiment.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "driver_config.json"
-    config = {
-        **experiment.config,
-        "run_dir": str(run_dir),
-        "sandbox_backend": settings.SANDBOX_BACKEND,
-        "ray_address": settings.RAY_ADDRESS,
-    }
-    config_path.write_text(json.dumps(config))
-    log = open(run_dir / "driver.log", "ab")  # noqa: SIM115  (handed to the child, closed below)
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "training.rollout.driver", "--config", str(config_path)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-        )
-    finally:
-        log.close()
-
-
-def _log_tail(run_dir: str, lines: int = 15) -> str:
-    path = Path(run_dir) / "driver.log"
-    if not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _set_status(experiment_id: int, **fields) -> Experiment:
-    with transaction.atomic():
-        experiment = Experiment.objects.select_for_update().get(pk=experiment_id)
-        for key, value in fields.items():
-            setattr(experiment, key, value)
-        experiment.save(update_fields=list(fields))
-        _publish(experiment, _status_message(experiment))
-    return experiment
-
-
-def _driver_launch_claim(experiment: Experiment, *, watched_pid: int | None) -> bool:
-    """Count the next driver start if no other monitor counted one since ``experiment`` was read and
-    the driver this monitor saw die (``watched_pid``) is still the recorded one: one conditional
-    UPDATE, so of two monitors that saw the driver die only one starts a new one."""
-    from django.db.models import F
-
-    return bool(Experiment.objects.filter(
-        pk=experiment.pk, launches=experiment.launches, status__in=Experiment.ACTIVE,
-        driver_pid=watched_pid or experiment.driver_pid,
-        cancel_requested=False, pause_requested=False,
-    ).update(launches=F("launches") + 1, driver_pid=None))
-
-
-def _wait_for_exit(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            finished, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            finished = pid if not Path(f"/proc/{pid}").exists() else 0
-        if finished == pid or not Path(f"/proc/{pid}").exists():
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def experiment_monitor(*, experiment_id: int, slice_s: float = MONITOR_SLICE_S) -> str:
-    """Start (or re-attach to) the experiment's driver and watch it until it ends or the slice is over."""
-    from training.rollout.run_dir import checkpointed_version, run_finished
-
-    experiment = Experiment.objects.get(pk=experiment_id)
-    if experiment.status not in Experiment.ACTIVE:
-        return f"experiment {experiment_id} is {experiment.status}; nothing to do"
-    started = time.monotonic()
-    launches_without_progress = 0
-    progress_at_launch = checkpointed_version(experiment.run_dir)
-    process: subprocess.Popen | None = None
-    pid = experiment.driver_pid if _driver_alive(experiment.driver_pid, experiment.run_dir) else None
-    watched_pid = pid
-    while True:
-        experiment.refresh_from_db()
-        if pid is None:
-            if experiment.cancel_requested or experiment.pause_requested:
-                state = (
-                    Experiment.Status.CANCELLED if experiment.cancel_requested else Experiment.Status.PAUSED
-                )
-                _set_status(
-                    experiment_id,
-                    status=state,
-                    status_reason=f"{state} before the driver started",
-                    driver_pid=None,
-                )
-                return state
-            all_steps_done = checkpointed_version(experiment.run_dir) >= experiment.total_steps
-            # A driver with a time budget finishes short of its steps; relaunching it would train nothing.
-            if all_steps_done or run_finished(experiment.run_dir):
-                experiment_ingest(experiment=experiment)
-                _set_status(
-                    experiment_id,
-                    status=Experiment.Status.FINISHED,
-                    status_reason="all steps done" if all_steps_done else "time budget spent",
-                    finished_at=timezone.now(),
-                    driver_pid=None,
-                )
-                return "finished"
-            if launches_without_progress >= MAX_LAUNCHES_WITHOUT_PROGRESS:
-                reason = f"the driver stopped {launches_without_progress} times without progress:\n{_log_tail(experiment.run_dir)}"
-                _set_status(
-                    experiment_id, status=Experiment.Status.FAILED, status_reason=reason, driver_pid=None
-                )
-                return "failed"
-            if not _driver_launch_claim(experiment, watched_pid=watched_pid):
-                # Another monitor (a redelivered or re-sent message) saw the same dead driver first
-                # and starts its successor; this one leaves, so a killed driver is resumed once.
-                return "another monitor restarts the driver"
-            process = _driver_launch(experiment)
-            pid = watched_pid = process.pid
-            launches_without_progress += 1
-            progress_at_launch = checkpointed_version(experiment.run_dir)
-            _set_status(
-                experiment_id,
-                status=Experiment.Status.RUNNING,
-                status_reason="driver running",
-                driver_pid=pid,
-                started_at=experiment.started_at or timezone.now(),
-            )
-        experiment_ingest(experiment=experiment)
-        if checkpointed_version(experiment.run_dir) > progress_at_launch:
-            launches_without_progress = 0
-        if experiment.cancel_requested or experiment.pause_requested:
-            os.kill(pid, signal.SIGTERM)
-            if not _wait_for_exit(pid, timeout_s=120):
-                os.killpg(pid, signal.SIGKILL)
-                _wait_for_exit(pid, timeout_s=10)
-            experiment_ingest(experiment=experiment)
-            state = Experiment.Status.CANCELLED if experiment.cancel_requested else Experiment.Status.PAUSED
-            _set_status(
-                experiment_id,
-                status=state,
-                status_reason=f"{state} by request",
-                driver_pid=None,
-                pause_requested=False,
-            )
-            return state
-        exited = (
-            process.poll() is not None if process is not None else not _driver_alive(pid, experiment.run_dir)
-        )
-        if exited:
-            # A driver that died (killed, crashed) is started again: it resumes from its checkpoint.
-            pid, process = None, None
-            continue
-        if time.monotonic() - started > slice_s:
-            # Hand over to a fresh monitor task; the driver keeps running and is re-attached by pid.
-            _enqueue_monitor_now(experiment_id)
-            return "handed over"
-        time.sleep(MONITOR_POLL_S)
-
-
-def _enqueue_monitor_now(experiment_id: int) -> None:
-    from webapp.experiments.tasks import experiment_monitor_task
-
-    experiment_monitor_task.delay(experiment_id)
 
 
 # --- benchmarks ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from celery import shared_task
 
 @shared_task(name="experiments.monitor", acks_late=True, reject_on_worker_lost=True)
 def experiment_monitor_task(experiment_id: int) -> str:
-    from webapp.experiments.services import experiment_monitor
+    from webapp.experiments.monitor import experiment_monitor
 
     return experiment_monitor(experiment_id=int(experiment_id))
 

@@ -9,7 +9,7 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from webapp.core.forms import form_add_service_error
+from webapp.core.forms import form_add_service_error, message_add_service_error
 from webapp.core.validation import text_check
 from webapp.experiments import services
 from webapp.experiments.forms import EvaluateForm, ExperimentForm
@@ -103,7 +103,7 @@ def _control(request, pk: int, action):
     try:
         action(experiment=experiment)
     except ValidationError as error:
-        messages.error(request, " ".join(error.messages))
+        message_add_service_error(request, error)
     return redirect("experiments:experiment-detail", pk=experiment.pk)
 
 
@@ -166,7 +166,7 @@ def checkpoint_evaluate_view(request, pk: int, checkpoint_pk: int):
             checkpoint=checkpoint,
         )
     except ValidationError as error:
-        messages.error(request, " ".join(error.messages))
+        message_add_service_error(request, error)
         return redirect("experiments:experiment-detail", pk=experiment.pk)
     messages.success(request, f"Evaluation {run.pk} of step {checkpoint.step} on {run.suite} queued.")
     return redirect("experiments:benchmarks")

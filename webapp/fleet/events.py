@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-from django.db import transaction
+from webapp.core.publish import DEFAULT_CHANNEL_LAYER, publish_on_commit
 
 FLEET_GROUP = "fleet"
 
 
 def fleet_event_send_on_commit(*, event: dict) -> None:
-    """Publish ``event`` to the fleet group once the current transaction commits."""
+    """Publish ``event`` to the fleet group once the current transaction commits.
 
-    def publish() -> None:
-        async_to_sync(get_channel_layer().group_send)(FLEET_GROUP, {"type": "fleet.event", "event": event})
-
-    # robust: a broker outage loses a dashboard update, never the heartbeat that was just stored.
-    transaction.on_commit(publish, robust=True)
+    Through the process's batched publisher (``webapp.core.publish``): a broker outage loses a
+    dashboard update, never the heartbeat that was just stored, and never blocks the heartbeat.
+    """
+    publish_on_commit(group=FLEET_GROUP, message={"type": "fleet.event", "event": event}, layer=DEFAULT_CHANNEL_LAYER)

@@ -8,6 +8,8 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from webapp.core.forms import service_error_text
+
 
 def _tool_names(text: str) -> tuple[str, ...]:
     """"a, b" -> ("a", "b") (names are checked against the tool list by BenchConfig)."""
@@ -74,7 +76,7 @@ class Command(BaseCommand):
             )
             run = benchmark_run_execute(run_id=run.pk)
         except ValidationError as error:
-            raise CommandError(" ".join(error.messages)) from error
+            raise CommandError(service_error_text(error)) from error
         summary = {key: value for key, value in run.summary.items() if key != "config"}
         self.stdout.write(json.dumps(summary, indent=2))
         self.stdout.write(
