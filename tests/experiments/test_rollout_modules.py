@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WEB_ALLOWED = {"training.rollout.config", "training.rollout.run_dir"}
 
 
@@ -50,3 +52,27 @@ def test_the_driver_module_still_exports_what_it_did_before_the_split():
     for name in ("METRICS_FILE", "ROLLOUTS_FILE", "STATUS_FILE", "TRACES_DIR", "read_jsonl", "read_status",
                  "checkpointed_version", "run_finished", "trace_path"):
         assert getattr(driver, name) is getattr(run_dir, name)
+
+
+def test_the_driver_command_line_is_generated_from_the_config_fields(tmp_path):
+    """One flag per AsyncRLConfig field, typed from its annotation, its docstring as help; unset flags keep
+    the dataclass defaults, so a JSON config plus a few overrides makes the run's config."""
+    import dataclasses
+
+    from training.rollout.config import AsyncRLConfig, config_argument_parser, dataclass_field_docs
+
+    parser = config_argument_parser(AsyncRLConfig)
+    flags = {action.dest for action in parser._actions} - {"help"}
+    assert flags == {item.name for item in dataclasses.fields(AsyncRLConfig)}
+    docs = dataclass_field_docs(AsyncRLConfig)
+    assert all(docs[name] for name in flags)  # every field documented
+    helps = {action.dest: action.help for action in parser._actions}
+    assert helps["group_size"] == docs["group_size"]
+    args = vars(parser.parse_args(
+        ["--steps", "7", "--lr", "3e-5", "--no-copy-constraint", "--time-budget-minutes", "none",
+         "--sandbox-backend", "docker"]
+    ))
+    assert args == {"steps": 7, "lr": 3e-5, "copy_constraint": False, "time_budget_minutes": None,
+                    "sandbox_backend": "docker"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", "many"])

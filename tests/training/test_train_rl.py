@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,6 +12,7 @@ import torch
 from sandboxes import get_backend
 from training.agent.config import AgentLimits
 from training.checkpoint import create_random_checkpoint, load_checkpoint
+from training.rollout.run_dir import RolloutRow
 from training.serving import ChatModel
 from training.tasks.sandboxing import task_sandboxes_create
 from training.tasks.toy import generate_toy_task
@@ -172,7 +174,8 @@ def test_kl_penalty_keeps_the_update_nearer_the_reference_policy(checkpoint, rol
 
 def test_rl_loop_end_to_end_with_resume(checkpoint, tmp_path):
     kwargs = {"run_dir": str(tmp_path / "rl"), "init_checkpoint": str(checkpoint), "tasks": 2, "tasks_per_step": 1,
-              "group_size": 2, "max_turns": 1, "max_tokens_per_turn": 12, "seed": 5}
+              "group_size": 2, "max_turns": 1, "max_tokens_per_turn": 12, "seed": 5,
+              "optimizer": OptimizerConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0, min_lr_ratio=0.1)}
     first = rl(RLConfig(steps=1, **kwargs))
     assert [m["step"] for m in first] == [1]
     assert first[0]["valid_rollouts"] == 2 and first[0]["masked_rollouts"] == 0
@@ -180,9 +183,21 @@ def test_rl_loop_end_to_end_with_resume(checkpoint, tmp_path):
     resumed = rl(RLConfig(steps=2, **kwargs))
     assert [m["step"] for m in resumed] == [2]  # resumed after the step-1 checkpoint
     assert [m["step"] for m in read_metrics(tmp_path / "rl")] == [1, 2]
-    lines = (tmp_path / "rl" / "rollouts.jsonl").read_text().splitlines()
-    step_two = json.loads(lines[1])
-    assert {r["task_id"] for r in step_two["rollouts"]} == {"toy-1"}  # tasks follow the step, not the process
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "rollouts.jsonl").read_text().splitlines()]
+    # One line per rollout in the driver's schema (training.rollout.run_dir.RolloutRow), the web app's reading.
+    assert [row["step"] for row in rows] == [1, 1, 2, 2]
+    assert set(rows[0]) == {item.name for item in dataclasses.fields(RolloutRow)}
+    assert {row["task_id"] for row in rows if row["step"] == 2} == {"toy-1"}  # tasks follow the step, not the process
+    assert [row["sample_index"] for row in rows] == [0, 1, 0, 1] and len({row["rollout_id"] for row in rows}) == 4
+    assert all(row["policy_version"] == row["step"] - 1 and row["staleness"] == 0 for row in rows)
+    metrics = read_metrics(tmp_path / "rl")
+    # One metric vocabulary with the driver, and one schedule rule: it steps per version, trained or not.
+    assert all("pass_rate" in row and "success_rate" not in row for row in metrics)
+    assert [row["trained_tokens"] for row in metrics] == [0, 0]  # a random policy never passes: groups agree
+    # The schedule stepped after the untrained first update (the first call's 1-step cosine from lr to 0.1 lr
+    # ends there, and the resumed call continues from the checkpointed schedule); a schedule that waited for
+    # trained updates would still be at lr.
+    assert [row["lr"] for row in metrics] == pytest.approx([1e-3, 1e-4])
     loaded, _, meta = load_checkpoint(tmp_path / "rl" / "checkpoints" / "step-00000002")
     assert meta["step"] == 2 and loaded.config.max_seq_len == 4096
 

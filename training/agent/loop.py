@@ -102,149 +102,192 @@ def run_agent(
     """
     if not prompt or not prompt.strip():
         raise ValueError("run_agent needs a non-empty prompt")
-    started = time.monotonic()
-    tools = openai_tool_schemas()
-    events: list[dict] = []
-    seq = first_seq
-    turn = 0
+    run = _AgentRun(
+        sandbox=sandbox, policy=policy, prompt=prompt, limits=limits, on_event=on_event,
+        system_prompt=system_prompt, first_seq=first_seq,
+    )
+    run.emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
+                       "tools": [tool["function"]["name"] for tool in run.tools]})
+    try:
+        while True:
+            if should_stop is not None and (stop_reason := should_stop()):
+                return run.finish("cancelled", stop_reason)
+            if (limit_reason := run.limit_reason()) is not None:
+                return run.finish("failed", limit_reason)
+            if run.last_context_tokens >= limits.summarize_at * limits.context_tokens:
+                if run.summaries >= limits.max_summaries:
+                    return run.finish("failed", f"context full after {run.summaries} summaries (max_summaries)")
+                run.summarize()
+                continue
+            model_turn = run.model_turn()
+            if not model_turn.tool_calls:
+                return run.finish("succeeded", "the agent answered without further tool calls", model_turn.content)
+            if should_stop is not None and (stop_reason := should_stop()):
+                return run.finish("cancelled", stop_reason)
+            run.tool_calls(model_turn.tool_calls, disabled_tools=disabled_tools)
+    except PolicyError as exc:
+        run.emit("error", {"message": str(exc), "infrastructure": exc.infrastructure})
+        return run.finish("failed", f"policy error: {exc}", infrastructure=exc.infrastructure)
+    except SandboxError as exc:
+        run.emit("error", {"message": f"{type(exc).__name__}: {exc}", "infrastructure": True})
+        return run.finish("failed", f"sandbox error: {type(exc).__name__}: {exc}", infrastructure=True)
+    except AgentStopped as exc:
+        # The callback refused further events: do not emit more (it would refuse those too).
+        return run.result("failed", str(exc), final_message="", diff="", infrastructure=True)
 
-    def emit(kind: str, payload: dict[str, Any]) -> None:
-        nonlocal seq
-        event = {"seq": seq, "kind": kind, "turn": turn, "ts": time.time(), "payload": payload}
-        seq += 1
-        events.append(event)
-        if on_event is not None:
-            on_event(event)
 
-    messages: list[dict] = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
-    totals = {"prompt": 0, "completion": 0}
-    completions: list[dict] = []
-    summaries = 0
-    last_context_tokens = 0
+class _AgentRun:
+    """The state of one run_agent call (conversation, token totals, events) and the steps it takes."""
 
-    def finish(status: str, reason: str, final_message: str = "", infrastructure: bool = False) -> AgentResult:
+    def __init__(
+        self,
+        *,
+        sandbox: Sandbox,
+        policy: Policy,
+        prompt: str,
+        limits: AgentLimits,
+        on_event: Callable[[dict], None] | None,
+        system_prompt: str,
+        first_seq: int,
+    ) -> None:
+        self.started = time.monotonic()
+        self.sandbox, self.policy, self.prompt, self.limits, self.on_event = sandbox, policy, prompt, limits, on_event
+        self.tools = openai_tool_schemas()
+        self.events: list[dict] = []
+        self.seq = first_seq
+        self.turn = 0
+        self.messages: list[dict] = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+        self.totals = {"prompt": 0, "completion": 0}
+        self.completions: list[dict] = []
+        self.summaries = 0
+        self.last_context_tokens = 0
+
+    def emit(self, kind: str, payload: dict[str, Any]) -> None:
+        event = {"seq": self.seq, "kind": kind, "turn": self.turn, "ts": time.time(), "payload": payload}
+        self.seq += 1
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def result(self, status: str, reason: str, *, final_message: str, diff: str, infrastructure: bool) -> AgentResult:
+        return AgentResult(
+            status=status, reason=reason, final_message=final_message, diff=diff, turns=self.turn,
+            prompt_tokens=self.totals["prompt"], completion_tokens=self.totals["completion"],
+            duration_s=time.monotonic() - self.started, messages=self.messages, events=self.events,
+            infrastructure_error=infrastructure, completions=self.completions, summaries=self.summaries,
+        )
+
+    def finish(self, status: str, reason: str, final_message: str = "", infrastructure: bool = False) -> AgentResult:
         try:
-            diff = sandbox.diff()
+            diff = self.sandbox.diff()
         except SandboxError as exc:
             diff = ""
             if status == "succeeded":
                 status, reason, infrastructure = "failed", f"could not compute the final diff: {exc}", True
-        emit("final", {
+        self.emit("final", {
             "status": status, "reason": reason, "content": final_message, "diff": diff,
-            "prompt_tokens": totals["prompt"], "completion_tokens": totals["completion"],
-            "turns": turn, "summaries": summaries, "duration_s": round(time.monotonic() - started, 3),
+            "prompt_tokens": self.totals["prompt"], "completion_tokens": self.totals["completion"],
+            "turns": self.turn, "summaries": self.summaries, "duration_s": round(time.monotonic() - self.started, 3),
             "infrastructure": infrastructure,
         })
-        return AgentResult(
-            status=status, reason=reason, final_message=final_message, diff=diff, turns=turn,
-            prompt_tokens=totals["prompt"], completion_tokens=totals["completion"],
-            duration_s=time.monotonic() - started, messages=messages, events=events,
-            infrastructure_error=infrastructure, completions=completions, summaries=summaries,
-        )
+        return self.result(status, reason, final_message=final_message, diff=diff, infrastructure=infrastructure)
 
-    def call_policy(call_messages: list[dict], call_tools: list[dict]) -> PolicyTurn:
-        remaining = limits.wall_time_s - (time.monotonic() - started)
-        budget = min(limits.max_tokens_per_turn, limits.max_tokens - totals["completion"])
-        result = policy.complete(
+    def limit_reason(self) -> str | None:
+        """Why the run must stop before another model call (a limit reached), or None."""
+        limits = self.limits
+        if time.monotonic() - self.started > limits.wall_time_s:
+            return f"wall time limit of {limits.wall_time_s:g}s reached after {self.turn} turns"
+        if self.totals["completion"] >= limits.max_tokens:
+            return f"token budget of {limits.max_tokens} completion tokens used up"
+        if self.turn >= limits.max_turns:
+            return f"turn limit of {limits.max_turns} reached without a final answer"
+        return None
+
+    def call_policy(self, call_messages: list[dict], call_tools: list[dict]) -> PolicyTurn:
+        limits = self.limits
+        remaining = limits.wall_time_s - (time.monotonic() - self.started)
+        budget = min(limits.max_tokens_per_turn, limits.max_tokens - self.totals["completion"])
+        result = self.policy.complete(
             messages=call_messages, tools=call_tools, max_tokens=max(1, budget), temperature=limits.temperature,
             top_p=limits.top_p, timeout_s=max(1.0, remaining),
         )
-        totals["prompt"] += result.prompt_tokens
-        totals["completion"] += result.completion_tokens
-        completions.append({
-            "turn": turn, "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+        self.totals["prompt"] += result.prompt_tokens
+        self.totals["completion"] += result.completion_tokens
+        self.completions.append({
+            "turn": self.turn, "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "token_ids": result.token_ids, "logprobs": result.logprobs, "routed_experts": result.routed_experts,
         })
         return result
 
-    emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
-                   "tools": [tool["function"]["name"] for tool in tools]})
-    try:
-        while True:
-            if should_stop is not None and (stop_reason := should_stop()):
-                return finish("cancelled", stop_reason)
-            if time.monotonic() - started > limits.wall_time_s:
-                return finish("failed", f"wall time limit of {limits.wall_time_s:g}s reached after {turn} turns")
-            if totals["completion"] >= limits.max_tokens:
-                return finish("failed", f"token budget of {limits.max_tokens} completion tokens used up")
-            if turn >= limits.max_turns:
-                return finish("failed", f"turn limit of {limits.max_turns} reached without a final answer")
+    def summarize(self) -> None:
+        """Replace the conversation with the model's summary of it (the context is nearly full)."""
+        summary_turn = self.call_policy([*self.messages, {"role": "user", "content": SUMMARY_REQUEST}], [])
+        self.summaries += 1
+        summary = summary_turn.content.strip() or "(the model returned an empty summary)"
+        self.emit("summary", {
+            "summary": summary, "context_tokens": self.last_context_tokens, "index": self.summaries,
+            "prompt_tokens": summary_turn.prompt_tokens, "completion_tokens": summary_turn.completion_tokens,
+        })
+        self.messages = [
+            self.messages[0], {"role": "user", "content": SUMMARY_RESUME.format(prompt=self.prompt, summary=summary)}
+        ]
+        self.last_context_tokens = _estimate_tokens(self.messages)
 
-            if last_context_tokens >= limits.summarize_at * limits.context_tokens:
-                if summaries >= limits.max_summaries:
-                    return finish("failed", f"context full after {summaries} summaries (max_summaries)")
-                summary_turn = call_policy([*messages, {"role": "user", "content": SUMMARY_REQUEST}], [])
-                summaries += 1
-                summary = summary_turn.content.strip() or "(the model returned an empty summary)"
-                emit("summary", {
-                    "summary": summary, "context_tokens": last_context_tokens, "index": summaries,
-                    "prompt_tokens": summary_turn.prompt_tokens, "completion_tokens": summary_turn.completion_tokens,
-                })
-                messages = [messages[0], {"role": "user", "content": SUMMARY_RESUME.format(prompt=prompt, summary=summary)}]
-                last_context_tokens = _estimate_tokens(messages)
-                continue
-
-            turn += 1
-            emit("turn_start", {"context_tokens": last_context_tokens or _estimate_tokens(messages)})
-            model_turn = call_policy(messages, tools)
-            last_context_tokens = (model_turn.prompt_tokens + model_turn.completion_tokens) or _estimate_tokens(messages)
-            assistant: dict[str, Any] = {"role": "assistant", "content": model_turn.content}
-            if model_turn.tool_calls:
-                assistant["tool_calls"] = [tool_call_json(call) for call in model_turn.tool_calls]
-            messages.append(assistant)
-            emit("model_output", {
-                "content": model_turn.content, "tool_calls": len(model_turn.tool_calls),
-                "prompt_tokens": model_turn.prompt_tokens, "completion_tokens": model_turn.completion_tokens,
-                "tokens_estimated": model_turn.tokens_estimated, "finish_reason": model_turn.finish_reason,
-                "duration_s": round(model_turn.duration_s, 4),
-            })
-            if not model_turn.tool_calls:
-                return finish("succeeded", "the agent answered without further tool calls", model_turn.content)
-
-            if should_stop is not None and (stop_reason := should_stop()):
-                return finish("cancelled", stop_reason)
-            runnable: list[ToolCall] = []
-            refused: dict[str, str] = {}
-            count = len(model_turn.tool_calls)
-            for index, call in enumerate(model_turn.tool_calls):
-                arguments, problem = parse_arguments(call)
-                emit("tool_call", {"call_id": call.id, "name": call.name, "arguments": arguments
-                                   if arguments is not None else call.arguments_json, "index": index, "count": count})
-                if problem:
-                    refused[call.id] = problem
-                elif call.name in disabled_tools:
-                    refused[call.id] = f"the tool {call.name} is disabled in this run"
-                else:
-                    runnable.append(ToolCall(id=call.id, name=call.name, arguments=arguments))
-            results = {result.call_id: result for result in execute_tool_calls(sandbox=sandbox, calls=runnable)} if runnable else {}
-            finished_at = time.time()
-            for call in model_turn.tool_calls:
-                result: ToolResult | None = results.get(call.id)
-                if result is None:
-                    output = f"error: {refused.get(call.id, 'the tool produced no result')}"
-                    payload = {"call_id": call.id, "name": call.name, "ok": False, "output": output,
-                               "display": output, "duration_s": 0.0, "meta": {}}
-                else:
-                    output = result.output
-                    payload = {"call_id": call.id, "name": call.name, "ok": result.ok, "output": result.output,
-                               "display": result.display, "duration_s": round(result.duration_s, 4),
-                               "meta": dict(result.meta or {})}
-                payload["finished_at"] = finished_at
-                emit("tool_result", payload)
-                if len(output) > limits.tool_output_chars:
-                    output = output[: limits.tool_output_chars] + f"\n[... {len(output) - limits.tool_output_chars} more characters cut]"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-    except PolicyError as exc:
-        emit("error", {"message": str(exc), "infrastructure": exc.infrastructure})
-        return finish("failed", f"policy error: {exc}", infrastructure=exc.infrastructure)
-    except SandboxError as exc:
-        emit("error", {"message": f"{type(exc).__name__}: {exc}", "infrastructure": True})
-        return finish("failed", f"sandbox error: {type(exc).__name__}: {exc}", infrastructure=True)
-    except AgentStopped as exc:
-        # The callback refused further events: do not emit more (it would refuse those too).
-        return AgentResult(
-            status="failed", reason=str(exc), final_message="", diff="", turns=turn,
-            prompt_tokens=totals["prompt"], completion_tokens=totals["completion"],
-            duration_s=time.monotonic() - started, messages=messages, events=events,
-            infrastructure_error=True, completions=completions, summaries=summaries,
+    def model_turn(self) -> PolicyTurn:
+        """The next turn's model call, its answer appended to the conversation."""
+        self.turn += 1
+        self.emit("turn_start", {"context_tokens": self.last_context_tokens or _estimate_tokens(self.messages)})
+        model_turn = self.call_policy(self.messages, self.tools)
+        self.last_context_tokens = (
+            (model_turn.prompt_tokens + model_turn.completion_tokens) or _estimate_tokens(self.messages)
         )
+        assistant: dict[str, Any] = {"role": "assistant", "content": model_turn.content}
+        if model_turn.tool_calls:
+            assistant["tool_calls"] = [tool_call_json(call) for call in model_turn.tool_calls]
+        self.messages.append(assistant)
+        self.emit("model_output", {
+            "content": model_turn.content, "tool_calls": len(model_turn.tool_calls),
+            "prompt_tokens": model_turn.prompt_tokens, "completion_tokens": model_turn.completion_tokens,
+            "tokens_estimated": model_turn.tokens_estimated, "finish_reason": model_turn.finish_reason,
+            "duration_s": round(model_turn.duration_s, 4),
+        })
+        return model_turn
+
+    def tool_calls(self, calls: list, *, disabled_tools: Collection[str]) -> None:
+        """Run a turn's tool calls (in parallel where they may be), their results appended to the conversation;
+        an unparseable call or one to a disabled tool is answered with an error."""
+        runnable: list[ToolCall] = []
+        refused: dict[str, str] = {}
+        for index, call in enumerate(calls):
+            arguments, problem = parse_arguments(call)
+            self.emit("tool_call", {"call_id": call.id, "name": call.name, "arguments": arguments
+                                    if arguments is not None else call.arguments_json, "index": index,
+                                    "count": len(calls)})
+            if problem:
+                refused[call.id] = problem
+            elif call.name in disabled_tools:
+                refused[call.id] = f"the tool {call.name} is disabled in this run"
+            else:
+                runnable.append(ToolCall(id=call.id, name=call.name, arguments=arguments))
+        results = (
+            {result.call_id: result for result in execute_tool_calls(sandbox=self.sandbox, calls=runnable)}
+            if runnable else {}
+        )
+        finished_at = time.time()
+        limit = self.limits.tool_output_chars
+        for call in calls:
+            result: ToolResult | None = results.get(call.id)
+            if result is None:
+                output = f"error: {refused.get(call.id, 'the tool produced no result')}"
+                payload = {"call_id": call.id, "name": call.name, "ok": False, "output": output,
+                           "display": output, "duration_s": 0.0, "meta": {}}
+            else:
+                output = result.output
+                payload = {"call_id": call.id, "name": call.name, "ok": result.ok, "output": result.output,
+                           "display": result.display, "duration_s": round(result.duration_s, 4),
+                           "meta": dict(result.meta or {})}
+            payload["finished_at"] = finished_at
+            self.emit("tool_result", payload)
+            if len(output) > limit:
+                output = output[:limit] + f"\n[... {len(output) - limit} more characters cut]"
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "content": output})

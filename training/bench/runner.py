@@ -363,6 +363,13 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
     if on_task is not None:
         for row in rows:
             on_task(row)
+    return _summary(config=config, tasks=tasks, outcomes=outcomes, rows=rows, wall_s=time.monotonic() - started)
+
+
+def _summary(
+    *, config: BenchConfig, tasks: list[CodingTask], outcomes: dict[str, TaskOutcome], rows: list[dict], wall_s: float
+) -> dict:
+    """run_benchmark's summary: pass@1 (with its 95 % interval) and pass@k over the scored tasks, tokens, tool calls."""
     scored = [outcomes[task.task_id] for task in tasks if outcomes[task.task_id].attempts > 0]
     k = config.attempts
     pass1 = [pass_at_k(n=o.attempts, c=o.passes, k=1) for o in scored]
@@ -383,6 +390,8 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
         "mean_tool_calls": sum(all_calls) / len(all_calls) if all_calls else 0.0,
         "calls_by_tool": dict(sum((o.calls_by_tool for o in scored), Counter())),
         "failed_calls_by_tool": dict(sum((o.failed_calls_by_tool for o in scored), Counter())),
-        "wall_s": time.monotonic() - started,
+        "wall_s": wall_s,
         "per_task": rows,
     }
+
+

@@ -156,6 +156,27 @@ def batches_without_duplicates(pairs: list[TrainingPair], *, batch_size: int, se
     return batches
 
 
+def _encoder_save(model, *, config: EmbeddingFinetuneConfig, result: FinetuneResult, losses: list[float]) -> None:
+    """Write the encoder and its metadata (config, result, losses) to config.output_dir atomically: staged
+    beside it, then renamed over it."""
+    output_dir = Path(config.output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.parent / f".{output_dir.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        model.save(str(staging))
+        metadata = {
+            "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()},
+            "result": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(result).items()},
+            "losses": losses,
+        }
+        (staging / FINETUNE_METADATA).write_text(json.dumps(metadata, indent=2))
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def embeddings_finetune(
     *, config: EmbeddingFinetuneConfig, on_step: Callable[[int, int, float], None] | None = None
 ) -> FinetuneResult:
@@ -220,30 +241,15 @@ def embeddings_finetune(
     model.eval()
     # Searching uses the full sequence length even though training truncated harder.
     model.max_seq_length = 256
-    output_dir = Path(config.output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.parent / f".{output_dir.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        model.save(str(staging))
-        window = max(1, len(losses_seen) // 10)
-        result = FinetuneResult(
-            output_dir=output_dir,
-            pairs=len(pairs),
-            pairs_by_kind=pairs_by_kind,
-            steps=step,
-            first_loss=sum(losses_seen[:window]) / window,
-            last_loss=sum(losses_seen[-window:]) / window,
-            seconds=time.monotonic() - started,
-        )
-        metadata = {
-            "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()},
-            "result": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(result).items()},
-            "losses": losses_seen,
-        }
-        (staging / FINETUNE_METADATA).write_text(json.dumps(metadata, indent=2))
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    window = max(1, len(losses_seen) // 10)
+    result = FinetuneResult(
+        output_dir=Path(config.output_dir),
+        pairs=len(pairs),
+        pairs_by_kind=pairs_by_kind,
+        steps=step,
+        first_loss=sum(losses_seen[:window]) / window,
+        last_loss=sum(losses_seen[-window:]) / window,
+        seconds=time.monotonic() - started,
+    )
+    _encoder_save(model, config=config, result=result, losses=losses_seen)
     return result

@@ -288,55 +288,18 @@ class MoETransformer(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}.")
         batch, length = input_ids.shape
         if logits_mask is not None:
-            if logits_positions is not None:
-                raise ValueError("Pass logits_positions or logits_mask, not both.")
-            if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, got "
-                    f"{logits_mask.dtype} {tuple(logits_mask.shape)}."
-                )
-            if compute_router_losses or return_routing or kv_cache is not None:
-                raise ValueError(
-                    "logits_mask runs the last block only at the masked positions: pass "
-                    "compute_router_losses=False and return_routing=False, and no kv_cache."
-                )
-        config = self.config
-        cache_batch = None
-        if prefix is not None and kv_cache is not None:
-            raise ValueError("prefix and kv_cache are two ways to supply earlier keys; pass one.")
-        if prefix is not None:
-            offset = prefix.length
-            if offset + length > config.max_seq_len:
-                raise ValueError(
-                    f"Prefix {offset} + sequence {length} tokens exceeds max_seq_len={config.max_seq_len}."
-                )
-            positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)
-        elif kv_cache is not None:
-            if cache_slots is None or cache_slots.shape != (batch,):
-                raise ValueError("kv_cache needs cache_slots, an int tensor [batch] of slot indices.")
-            cache_batch = kv_cache.begin(cache_slots.to(kv_cache.lengths.device), length)
-            positions = cache_batch.positions.to(input_ids.device)
-        else:
-            if length > config.max_seq_len:
-                raise ValueError(
-                    f"Sequence length {length} exceeds max_seq_len={config.max_seq_len}; truncate the "
-                    "input or build the model with a larger max_seq_len."
-                )
-            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+            _logits_mask_check(
+                input_ids, logits_mask, logits_positions=logits_positions, kv_cache=kv_cache,
+                compute_router_losses=compute_router_losses, return_routing=return_routing,
+            )
+        positions, cache_batch = self._positions(input_ids, kv_cache=kv_cache, cache_slots=cache_slots, prefix=prefix)
         overrides = self._layer_overrides(routing_override, batch, length)
         cos, sin = self.rotary(positions)
 
         autocast = self._autocast(input_ids.device.type)
         last_block_positions = last_block_valid = None
         if logits_mask is not None:
-            mask = logits_mask.to(input_ids.device)
-            counts = mask.sum(dim=1)
-            queries = max(int(counts.max()), 1)
-            # Each row's masked positions first, in order (a stable sort); shorter rows are padded with
-            # other positions of the row, whose outputs are dropped.
-            order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
-            last_block_positions = order[:, :queries]
-            last_block_valid = torch.arange(queries, device=mask.device) < counts[:, None]
+            last_block_positions, last_block_valid = _last_block_queries(logits_mask.to(input_ids.device))
         routers = []
         with autocast:
             hidden = self.embed(input_ids)
@@ -365,18 +328,43 @@ class MoETransformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(cache_batch)
 
-        zero = logits.new_zeros(())
-        routed = None
-        if return_routing and routers:
-            routed = torch.stack([r.expert_indices.view(batch, length, -1) for r in routers], dim=2)
-        return TransformerOutput(
-            logits=logits,
-            load_balancing_loss=torch.stack([r.load_balancing_loss for r in routers]).mean()
-            if routers
-            else zero,
-            router_z_loss=torch.stack([r.router_z_loss for r in routers]).mean() if routers else zero,
-            routed_experts=routed,
-        )
+        return _transformer_output(logits, routers, routing_shape=(batch, length) if return_routing else None)
+
+    def _positions(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: KVCache | None,
+        cache_slots: torch.Tensor | None,
+        prefix: SharedPrefix | None,
+    ) -> tuple[torch.Tensor, CacheBatch | None]:
+        """(positions [B, T] of input_ids, the cache batch they append to): after a shared prefix, after each
+        cache slot's tokens, or from 0."""
+        batch, length = input_ids.shape
+        config = self.config
+        cache_batch = None
+        if prefix is not None and kv_cache is not None:
+            raise ValueError("prefix and kv_cache are two ways to supply earlier keys; pass one.")
+        if prefix is not None:
+            offset = prefix.length
+            if offset + length > config.max_seq_len:
+                raise ValueError(
+                    f"Prefix {offset} + sequence {length} tokens exceeds max_seq_len={config.max_seq_len}."
+                )
+            positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)
+        elif kv_cache is not None:
+            if cache_slots is None or cache_slots.shape != (batch,):
+                raise ValueError("kv_cache needs cache_slots, an int tensor [batch] of slot indices.")
+            cache_batch = kv_cache.begin(cache_slots.to(kv_cache.lengths.device), length)
+            positions = cache_batch.positions.to(input_ids.device)
+        else:
+            if length > config.max_seq_len:
+                raise ValueError(
+                    f"Sequence length {length} exceeds max_seq_len={config.max_seq_len}; truncate the "
+                    "input or build the model with a larger max_seq_len."
+                )
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        return positions, cache_batch
 
     def prefix_forward(self, input_ids: torch.Tensor, *, routing_override: torch.Tensor | None = None) -> SharedPrefix:
         """Every layer's keys and values of a prefix [1, P] (routing_override: [1, P, n_layers, top_k]), for
@@ -449,3 +437,52 @@ class MoETransformer(nn.Module):
             if isinstance(block.feed_forward, MoEFeedForward):
                 block.feed_forward.reset_buffers()
         return self
+
+
+def _logits_mask_check(
+    input_ids: torch.Tensor,
+    logits_mask: torch.Tensor,
+    *,
+    logits_positions: torch.Tensor | None,
+    kv_cache: KVCache | None,
+    compute_router_losses: bool,
+    return_routing: bool,
+) -> None:
+    """MoETransformer.forward's rules for logits_mask: a ValueError that says what to pass."""
+    if logits_positions is not None:
+        raise ValueError("Pass logits_positions or logits_mask, not both.")
+    if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
+        raise ValueError(
+            f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+            f"{logits_mask.dtype} {tuple(logits_mask.shape)}."
+        )
+    if compute_router_losses or return_routing or kv_cache is not None:
+        raise ValueError(
+            "logits_mask runs the last block only at the masked positions: pass "
+            "compute_router_losses=False and return_routing=False, and no kv_cache."
+        )
+
+
+def _last_block_queries(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [B, N] the last block runs at, which of them are masked [B, N]) for a logits_mask."""
+    counts = mask.sum(dim=1)
+    queries = max(int(counts.max()), 1)
+    # Each row's masked positions first, in order (a stable sort); shorter rows are padded with
+    # other positions of the row, whose outputs are dropped.
+    order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
+    return order[:, :queries], torch.arange(queries, device=mask.device) < counts[:, None]
+
+
+def _transformer_output(logits: torch.Tensor, routers: list, *, routing_shape: tuple[int, int] | None) -> TransformerOutput:
+    """The forward's result: logits, the routers' mean auxiliary losses, and (routing_shape = (B, T) given)
+    the experts every position was routed to, [B, T, n_layers, top_k]."""
+    zero = logits.new_zeros(())
+    routed = None
+    if routing_shape is not None and routers:
+        routed = torch.stack([r.expert_indices.view(*routing_shape, -1) for r in routers], dim=2)
+    return TransformerOutput(
+        logits=logits,
+        load_balancing_loss=torch.stack([r.load_balancing_loss for r in routers]).mean() if routers else zero,
+        router_z_loss=torch.stack([r.router_z_loss for r in routers]).mean() if routers else zero,
+        routed_experts=routed,
+    )

@@ -1,14 +1,26 @@
 """The typed configuration of an asynchronous RL run (training.rollout.driver).
 
 ``AsyncRLConfig`` is flat on purpose: its fields, each documented by the docstring under it, are the launch
-form of the web app (webapp.experiments.selectors.experiment_form_fields) and the JSON the driver process
-reads; ``update_config_for`` maps them onto the trainer's nested RLConfig (GRPOConfig, OptimizerConfig).
-Importing this module does not import torch: the web process validates launch forms with it.
+form of the web app (webapp.experiments.selectors.experiment_form_fields), the JSON stored with every
+experiment and read by the driver process, and the driver's command line (``config_argument_parser``
+generates one flag per field, its docstring as help). The nested configs the pieces of a run read are
+composed from it, one property each: ``grpo_config`` (training.train.grpo.GRPOConfig), ``optimizer_config``
+(training.train.loop.OptimizerConfig: the lr schedule), ``reward_config`` (training.tasks.reward.RewardConfig)
+and ``scheduler_config`` (training.rollout.scheduler.SchedulerConfig); ``update_config_for`` puts the first two
+into the learner's RLConfig. Importing this module does not import torch: the web process validates launch
+forms with it.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +30,8 @@ from training.train.objective_options import objective_options_problem
 
 if TYPE_CHECKING:  # torch-free at import time: the web process validates launch configs with this module
     from training.tasks.reward import RewardConfig
+    from training.train.grpo import GRPOConfig
+    from training.train.loop import OptimizerConfig
     from training.train.rl import RLConfig
 
 
@@ -218,7 +232,35 @@ class AsyncRLConfig:
         )
 
     @property
+    def grpo_config(self) -> GRPOConfig:
+        """The GRPO objective's settings (the rest keep GRPOConfig's defaults)."""
+        from training.train.grpo import GRPOConfig
+
+        return GRPOConfig(
+            negative_advantage_weight=self.negative_advantage_weight,
+            entropy_coef=self.entropy_coef,
+            entropy_scope=self.entropy_scope,
+            kl_coef=self.kl_coef,
+            normalize_advantage_std=self.normalize_advantage_std,
+        )
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
+        """The optimizer and its lr schedule (no weight decay, as is usual for RL)."""
+        from training.train.loop import OptimizerConfig
+
+        return OptimizerConfig(
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            weight_decay=0.0,
+            min_lr_ratio=self.min_lr_ratio,
+            decay_fraction=self.lr_decay_fraction,
+            gain_lr_scale=self.gain_lr_scale,
+        )
+
+    @property
     def scheduler_config(self) -> SchedulerConfig:
+        """The rollout scheduler's settings: one in-flight rollout per worker."""
         return SchedulerConfig(
             max_in_flight=self.rollout_workers,
             group_size=self.group_size,
@@ -237,36 +279,86 @@ class AsyncRLConfig:
 
 
 def update_config_for(config: AsyncRLConfig) -> RLConfig:
-    """The RLConfig the trainer's update and optimizer read their settings from, matching this run's."""
-    from training.train.grpo import GRPOConfig
-    from training.train.loop import OptimizerConfig
+    """The RLConfig the learner (training.train.learner.Learner) reads its settings from, matching this run's."""
     from training.train.rl import RLConfig
 
     return RLConfig(
         run_dir=config.run_dir,
         init_checkpoint=config.init_checkpoint,
         tasks=config.tasks,
+        task_seed_start=config.task_seed_start,
         tasks_per_step=min(config.groups_per_step, config.tasks),
         group_size=config.group_size,
         steps=config.steps,
         updates_per_step=config.updates_per_step,
         temperature=config.temperature,
         routing_replay=True,
-        grpo=GRPOConfig(
-            negative_advantage_weight=config.negative_advantage_weight,
-            entropy_coef=config.entropy_coef,
-            entropy_scope=config.entropy_scope,
-            kl_coef=config.kl_coef,
-            normalize_advantage_std=config.normalize_advantage_std,
-        ),
+        seed=config.seed,
+        keep_checkpoints=config.keep_checkpoints,
+        grpo=config.grpo_config,
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
-        optimizer=OptimizerConfig(
-            lr=config.lr,
-            warmup_steps=config.warmup_steps,
-            weight_decay=0.0,
-            min_lr_ratio=config.min_lr_ratio,
-            decay_fraction=config.lr_decay_fraction,
-            gain_lr_scale=config.gain_lr_scale,
-        ),
+        optimizer=config.optimizer_config,
     )
+
+
+def dataclass_field_docs(cls: type) -> dict[str, str]:
+    """{field: the docstring under it} of a dataclass (and of its dataclass bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _field_parser(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, optional) of a field's resolved annotation: int, float, str or bool, maybe `| None`."""
+    arguments = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in arguments:
+        (inner,) = [argument for argument in arguments if argument is not type(None)]
+        return inner, True
+    return annotation, False
+
+
+def config_argument_parser(cls: type | None = None, *, description: str = "") -> argparse.ArgumentParser:
+    """A command line with one flag per field of a flat config dataclass (AsyncRLConfig by default):
+    ``--field-name VALUE`` (``--field-name/--no-field-name`` for booleans, ``none`` for an optional field's
+    None), typed from the annotation, the field's docstring as help. Unset flags stay out of the result
+    (argparse.SUPPRESS), so the dataclass's own defaults apply."""
+    cls = cls or AsyncRLConfig
+    hints = typing.get_type_hints(cls)
+    docs = dataclass_field_docs(cls)
+    parser = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip())
+    for item in dataclasses.fields(cls):
+        kind, optional = _field_parser(hints[item.name])
+        flag = "--" + item.name.replace("_", "-")
+        help_text = docs.get(item.name, "").replace("%", "%%")
+        required = item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING
+        if kind is bool:
+            parser.add_argument(flag, dest=item.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+            continue
+        if kind not in (int, float, str):
+            raise TypeError(f"{cls.__name__}.{item.name}: a {kind} field has no command-line form")
+
+        def convert(text: str, kind: type = kind, optional: bool = optional) -> Any:
+            return None if optional and text.lower() == "none" else kind(text)
+
+        convert.__name__ = kind.__name__
+        parser.add_argument(flag, dest=item.name, type=convert, default=argparse.SUPPRESS,
+                            help=help_text + (" (required)" if required else ""))
+    return parser

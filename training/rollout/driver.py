@@ -5,11 +5,12 @@
 The run's pieces live in their own modules: its typed config (training.rollout.config), the
 run-directory file protocol the web app reads (training.rollout.run_dir) and the Ray actors
 (training.rollout.actors: inference servers with versioned weights, rollout workers that run the
-agent loop in a sandbox and score it). Their public names are importable from here too.
+agent loop in a sandbox and score it, driven through ``ActorPool``). Their public names are importable from
+here too. ``AsyncRun`` is the single controller: it owns the learner (training.train.learner.Learner, the
+same one the synchronous training.train.rl.rl drives in-process), the actor pool and the scheduler.
 
 The driver feeds the continuous `RolloutScheduler` (bounded staleness, a slow rollout never holds
-the others back), trains in a learner thread with the trainer's GRPO update
-(training.train.rl.policy_updates) while generation continues, and checkpoints after every update.
+the others back), trains in a learner thread (``AsyncRun.train``: Learner.update) while generation continues, and checkpoints after every update.
 The checkpoint records which groups were trained on; a restarted driver (killed driver, lost
 worker, redelivered Celery task) resumes from it, re-runs only groups that were never trained on,
 and truncates the logs to the checkpoint, so no rollout is counted twice.
@@ -17,33 +18,42 @@ and truncates the logs to the checkpoint, so no rollout is counted twice.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
-import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from training.rollout.actors import (
+    ActorPool,
+    ExpertResult,
+    InferenceCompletion,
     InferenceServer,
     RemoteInferencePolicy,
+    RolloutResult,
     RolloutServer,
     _edit_file_arguments,
     task_for_group,
 )
-from training.rollout.config import AsyncRLConfig, AsyncRLConfigError, update_config_for
+from training.rollout.config import (
+    AsyncRLConfig,
+    AsyncRLConfigError,
+    config_argument_parser,
+    update_config_for,
+)
 from training.rollout.run_dir import (
     METRICS_FILE,
     ROLLOUTS_FILE,
     STATUS_FILE,
     TRACES_DIR,
+    RolloutRow,
     append_jsonl,
     checkpointed_version,
     read_jsonl,
@@ -61,10 +71,15 @@ __all__ = [
     "ROLLOUTS_FILE",
     "STATUS_FILE",
     "TRACES_DIR",
+    "ActorPool",
     "AsyncRLConfig",
     "AsyncRLConfigError",
+    "AsyncRun",
+    "ExpertResult",
+    "InferenceCompletion",
     "InferenceServer",
     "RemoteInferencePolicy",
+    "RolloutResult",
     "RolloutServer",
     "_edit_file_arguments",
     "checkpointed_version",
@@ -106,59 +121,302 @@ def run_async_rl(
     stop: threading.Event | None = None,
 ) -> list[dict]:
     """Run (or resume) the experiment until `config.steps` updates exist; returns this call's metrics."""
-    import ray
-    import torch
+    return AsyncRun(config, on_step=on_step, on_rollout=on_rollout).run(stop=stop or threading.Event())
 
-    from training.checkpoint import load_checkpoint
-    from training.train.guidance import expert_record_create
-    from training.train.loop import build_optimizer, build_scheduler
-    from training.train.rl import (
-        policy_updates,
-        reference_model_load,
-        rollout_advantages,
-        segments_to_batches,
-    )
-    from training.train.state import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
 
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer, _ = load_checkpoint(config.init_checkpoint)
-    model.train()
-    update_config = update_config_for(config)
-    optimizer = build_optimizer(model, update_config.optimizer)
-    state = _RunState()
+class AsyncRun:
+    """The single controller of an asynchronous run: the learner in this process, the actors on Ray.
 
-    def training_seconds() -> float:
-        return state.earlier_training_seconds + time.monotonic() - state.started_at
+    ``run`` starts the actors, feeds the scheduler and waits; the scheduler calls ``submit_rollout`` for every
+    rollout and ``train`` (in a learner thread) for every batch of complete groups.
+    """
 
-    budget_seconds = None if config.time_budget_minutes is None else config.time_budget_minutes * 60
-    lr_schedule = build_scheduler(
-        optimizer,
-        update_config.optimizer,
-        total_steps=config.steps,
-        time_fraction=None if budget_seconds is None else lambda: training_seconds() / budget_seconds,
-    )
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None:
-        restored = load_train_checkpoint(
-            path=checkpoint, model=model, optimizer=optimizer, scheduler=lr_schedule
+    def __init__(
+        self,
+        config: AsyncRLConfig,
+        *,
+        on_step: Callable[[dict], None] | None = None,
+        on_rollout: Callable[[dict], None] | None = None,
+    ) -> None:
+        from training.train.learner import Learner
+
+        self.config = config
+        self.on_step, self.on_rollout = on_step, on_rollout
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = _RunState()
+        self.budget_seconds = None if config.time_budget_minutes is None else config.time_budget_minutes * 60
+        self.learner = Learner(
+            update_config_for(config),
+            time_fraction=None if self.budget_seconds is None else lambda: self.training_seconds() / self.budget_seconds,
         )
-        state.version = int(restored.data_position["version"])
-        state.counted_groups = set(restored.data_position["counted_groups"])
-        state.earlier_training_seconds = float(restored.data_position.get("training_seconds", 0.0))
-    else:
-        torch.manual_seed(config.seed)
-    for name in (METRICS_FILE, ROLLOUTS_FILE):
-        truncate_jsonl(run_dir / name, max_step=state.version)
+        restored = self.learner.restore(self.run_dir)
+        if restored is not None:
+            self.state.version = int(restored["version"])
+            self.state.counted_groups = set(restored["counted_groups"])
+            self.state.earlier_training_seconds = float(restored.get("training_seconds", 0.0))
+        for name in (METRICS_FILE, ROLLOUTS_FILE):
+            truncate_jsonl(self.run_dir / name, max_step=self.state.version)
+        self.actors: ActorPool | None = None
+        self.scheduler: RolloutScheduler | None = None
+        self.history: list[dict] = []
 
-    def budget_spent() -> bool:
-        return budget_seconds is not None and training_seconds() >= budget_seconds
+    def training_seconds(self) -> float:
+        return self.state.earlier_training_seconds + time.monotonic() - self.state.started_at
 
-    if state.version >= config.steps or budget_spent():
-        # Started again after the end (a resume, a relaunch): say so, so the monitor stops relaunching it.
-        write_status(run_dir, {"state": "finished", "pid": os.getpid(), "version": state.version})
-        return []
-    reference_model = reference_model_load(update_config)
+    def budget_spent(self) -> bool:
+        return self.budget_seconds is not None and self.training_seconds() >= self.budget_seconds
+
+    def run(self, *, stop: threading.Event) -> list[dict]:
+        """Dispatch and train until `steps` updates exist, the budget is spent or `stop` is set."""
+        if self.state.version >= self.config.steps or self.budget_spent():
+            # Started again after the end (a resume, a relaunch): say so, so the monitor stops relaunching it.
+            write_status(self.run_dir, {"state": "finished", "pid": os.getpid(), "version": self.state.version})
+            return []
+        ray, owns_ray, fleet, fleet_started = _ray_start(self.config)
+        self.actors = ActorPool(self.config, run_dir=self.run_dir, fleet=fleet)
+        if self.state.version > 0:
+            self.actors.push_weights(self.state.version, self.learner.weights())
+        # The budget's stop works like a pause: dispatching ends, the update in progress is checkpointed.
+        budget_timer = None
+        if self.budget_seconds is not None:
+            budget_timer = threading.Timer(max(0.0, self.budget_seconds - self.training_seconds()), stop.set)
+            budget_timer.daemon = True
+        learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self.scheduler = RolloutScheduler(
+            config=self.config.scheduler_config,
+            submit_rollout=self.submit_rollout,
+            submit_update=lambda groups, version: learner_thread.submit(self.train, groups, version),
+            groups=_group_stream(),
+            start_version=self.state.version,
+            is_counted=lambda group_id: group_id in self.state.counted_groups,
+            reward_of=lambda result: result.record.reward,
+            on_group_abandoned=self._abandon_group,
+            stop=stop,
+        )
+        write_status(
+            self.run_dir,
+            {"state": "running", "pid": os.getpid(), "version": self.state.version, **self.actors.pids()},
+        )
+        if budget_timer is not None:
+            budget_timer.start()
+        try:
+            self.scheduler.run(steps=self.config.steps - self.state.version)
+        finally:
+            if budget_timer is not None:
+                budget_timer.cancel()
+            learner_thread.shutdown(wait=True)
+            self.actors.shutdown()
+            if fleet is not None and fleet_started:
+                fleet.shutdown()
+            if owns_ray:
+                ray.shutdown()
+        # A stop can come while an update is in flight: the scheduler no longer waits for it, the learner's
+        # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
+        version = max(self.scheduler.version, self.state.version)
+        finished = version >= self.config.steps or self.budget_spent()
+        write_status(
+            self.run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
+        )
+        return self.history
+
+    def submit_rollout(self, request: RolloutRequest, version: int) -> Future:
+        return self.actors.submit(
+            group_index=int(request.task_key),
+            sample_index=request.sample_index,
+            rollout_id=request.rollout_id,
+            version=version,
+        )
+
+    def _abandon_group(self, group: list[RolloutSample]) -> None:
+        with self.state.abandoned_lock:
+            self.state.abandoned_groups.append(group)
+
+    def train(self, groups: list[list[RolloutSample]], version: int) -> int:
+        """One policy update on complete groups (plus the log of groups abandoned since the last one);
+        logs, checkpoints and pushes the new weights; returns the new policy version."""
+        update_started = time.monotonic()
+        with self.state.abandoned_lock:
+            abandoned, self.state.abandoned_groups = self.state.abandoned_groups, []
+        records = []
+        for group_position, group in enumerate(groups):
+            for sample in group:
+                sample.result.record.group = group_position
+                records.append(sample.result.record)
+        guides, guide_failures = self._expert_guides(groups) if self.config.expert_guidance else ([], [])
+        # Expert members come after the rollouts, so advantages[i] is still records[i]'s for the logs below.
+        update = self.learner.update([*records, *guides])
+        new_version = version + 1
+        self.state.counted_groups.update(group[0].request.group_id for group in [*groups, *abandoned])
+        metrics = self._metrics(new_version, groups=groups, abandoned=abandoned, update=update)
+        metrics.update(guided_groups=len(guides), guide_failures=len(guide_failures))
+        # The update's stage covers what the learner thread did for it: expert guides, advantages, the steps.
+        metrics["stage_seconds"]["update"] = time.monotonic() - update_started
+        rows = _rollout_rows(
+            new_version, groups=groups, abandoned=abandoned, advantages=update.advantages,
+            guided_positions={guide.group for guide in guides},
+        )
+        samples = [sample for group in [*groups, *abandoned] for sample in group]
+        # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,
+        # which the resumed run truncates and then redoes, so no step or rollout is logged twice.
+        (self.run_dir / TRACES_DIR).mkdir(exist_ok=True)
+        for sample, row in zip(samples, rows, strict=True):
+            write_json(trace_path(self.run_dir, row.rollout_id), sample.result.trace)
+        for row in rows:
+            append_jsonl(self.run_dir / ROLLOUTS_FILE, row.as_dict())
+        append_jsonl(self.run_dir / METRICS_FILE, metrics)
+        checkpoint_seconds = self.learner.save(
+            run_dir=self.run_dir,
+            step=new_version,
+            data_position={
+                "version": new_version,
+                "counted_groups": sorted(self.state.counted_groups),
+                "training_seconds": self.training_seconds(),
+            },
+            run_config={"stage": "async-rl", **dataclasses.asdict(self.config)},
+            metrics=metrics,
+            keep_last=self.config.keep_checkpoints,
+        )
+        weight_push_seconds = self.actors.push_weights(new_version, self.learner.weights())
+        metrics["stage_seconds"].update(checkpoint=checkpoint_seconds, weight_push=weight_push_seconds)
+        self.history.append(metrics)
+        if self.on_rollout is not None:
+            for sample, row in zip(samples, rows, strict=True):
+                self.on_rollout({**row.as_dict(), "trace": sample.result.trace})
+        if self.on_step is not None:
+            self.on_step(metrics)
+        self.state.version = new_version
+        return new_version
+
+    def _metrics(
+        self, new_version: int, *, groups: list[list[RolloutSample]], abandoned: list[list[RolloutSample]], update
+    ) -> dict[str, Any]:
+        """The update's metrics: the learner's vocabulary (training.train.learner) plus the fleet's figures."""
+        from training.train.learner import rollout_metrics, update_metrics
+
+        samples = [sample for group in groups for sample in group]
+        abandoned_samples = [sample for group in abandoned for sample in group]
+        results: list[RolloutResult] = [sample.result for sample in samples]
+        tool_turns = sum(result.stats["tool_turns"] for result in results)
+        wall = time.monotonic() - self.state.started_at
+        self.state.generated_samples += len(samples) + len(abandoned_samples)
+        # The first probe_size rollouts of every group, trained or abandoned: a sample of the policy on
+        # fresh tasks that probing does not tilt (finished groups are the ones whose probe disagreed).
+        probe_size = self.config.probe_size or self.config.group_size
+        sampled = [
+            sample.result.record
+            for sample in [*samples, *abandoned_samples]
+            if sample.request.sample_index < probe_size and sample.result.record.valid
+        ]
+        stats = self.scheduler.stats
+        return {
+            "step": new_version,
+            **rollout_metrics([result.record for result in results]),
+            "tool_calls_per_turn": sum(result.stats["tool_calls"] for result in results) / tool_turns if tool_turns else 0.0,
+            "parallel_call_share": (
+                sum(result.stats["parallel_turns"] for result in results) / tool_turns if tool_turns else 0.0
+            ),
+            "staleness_mean": _mean([float(sample.staleness) for sample in samples]),
+            "staleness_max": max(sample.staleness for sample in samples),
+            # Every finished rollout, abandoned probes included: what the fleet produced.
+            "rollouts_per_s": self.state.generated_samples / wall if wall > 0 else 0.0,
+            "abandoned_groups": len(abandoned),
+            "abandoned_rollouts": len(abandoned_samples),
+            # pass_rate covers the trained groups only, which probing tilts towards tasks that are neither
+            # always solved nor never; this one is the policy's pass rate on the tasks it was given.
+            "sampled_pass_rate": _mean([float(record.passed) for record in sampled]),
+            "worker_utilization": min(1.0, stats.busy_seconds / (self.config.rollout_workers * wall)),
+            "dropped_stale_total": stats.dropped_stale,
+            "failed_rollouts_total": stats.failed,
+            **update_metrics(update),
+            "stage_seconds": {
+                "sandbox": _mean([result.timings["sandbox_s"] for result in results]),
+                "agent": _mean([result.timings["agent_s"] for result in results]),
+                "reward": _mean([result.timings["reward_s"] for result in results]),
+                "update": update.seconds,
+            },
+        }
+
+    def _expert_guides(self, groups: list[list[RolloutSample]]) -> tuple[list, list[str]]:
+        """Expert members for the groups none of whose valid rollouts passed, and why any could not be made.
+
+        The expert runs on a rollout worker (an environment server, in the rollouts' kind of sandbox) that
+        it borrows from the actor pool; the learner scores its tokens with the weights this update starts from.
+        """
+        from training.train.guidance import expert_record_create
+
+        guides, failures = [], []
+        for group_position, group in enumerate(groups):
+            valid = [sample.result.record for sample in group if sample.result.record.valid]
+            if not valid or any(record.passed for record in valid):
+                continue
+            result = self.actors.expert(group_index=int(group[0].request.task_key))
+            if result.error is not None:
+                logger.warning("no expert guidance for %s: %s", group[0].request.group_id, result.error)
+                failures.append(result.error)
+                continue
+            guides.append(
+                expert_record_create(
+                    task_id=result.task_id, group=group_position, messages=result.messages, reward=result.reward,
+                    tokenizer=self.learner.tokenizer, model=self.learner.model,
+                    temperature=self.learner.config.temperature,
+                )
+            )
+        return guides, failures
+
+
+def _group_stream():
+    index = 0
+    while True:
+        yield f"group-{index:06d}", str(index)
+        index += 1
+
+
+def _rollout_rows(
+    new_version: int,
+    *,
+    groups: list[list[RolloutSample]],
+    abandoned: list[list[RolloutSample]],
+    advantages: list[float],
+    guided_positions: set[int],
+) -> list[RolloutRow]:
+    """The rollouts.jsonl rows of one update: trained groups in order (advantages follow them), then abandoned."""
+    rows = []
+    labelled = [(group, False) for group in groups] + [(group, True) for group in abandoned]
+    for group_position, (group, was_abandoned) in enumerate(labelled):
+        for sample in group:
+            record = sample.result.record
+            rows.append(
+                RolloutRow(
+                    step=new_version,
+                    abandoned=was_abandoned,
+                    rollout_id=sample.request.rollout_id,
+                    group_id=sample.request.group_id,
+                    task_id=record.task_id,
+                    sample_index=sample.request.sample_index,
+                    valid=record.valid,
+                    reward=record.reward,
+                    passed=record.passed,
+                    tests_total=record.tests_total,
+                    status=record.status,
+                    # records follow the groups in this order: the row's position is its record's.
+                    advantage=0.0 if was_abandoned else float(advantages[len(rows)]),
+                    completion_tokens=record.completion_tokens,
+                    turns=record.turns,
+                    policy_version=sample.policy_version,
+                    staleness=sample.staleness,
+                    tools_used=sample.result.stats["tools_used"],
+                    tool_calls=sample.result.stats["tool_calls"],
+                    group_position=group_position,
+                    guided=group_position in guided_positions,
+                )
+            )
+    return rows
+
+
+def _ray_start(config: AsyncRLConfig):
+    """(ray, owns_ray, fleet, fleet_started): join or start Ray, and attach to (or start) the sandbox hosts."""
+    import ray
 
     owns_ray = not ray.is_initialized()
     if owns_ray:
@@ -173,304 +431,7 @@ def run_async_rl(
                 resources={"sandbox_slots": config.rollout_workers} if config.sandbox_hosts else None,
             )
     fleet, fleet_started = _fleet_start(config) if config.sandbox_hosts else (None, False)
-    # A dead actor process is restarted by Ray; the call it was running fails, and the scheduler
-    # re-dispatches that slot under a new rollout id instead of scoring it.
-    inference_cls = ray.remote(InferenceServer).options(
-        num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0
-    )
-    worker_cls = ray.remote(RolloutServer).options(
-        num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0
-    )
-    config_data = asdict(config)
-    inference_actors = [
-        inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint)
-        for _ in range(config.inference_actors)
-    ]
-    workers = [worker_cls.remote(config_data) for _ in range(config.rollout_workers)]
-    idle_workers: queue.Queue = queue.Queue()
-    for index, worker in enumerate(workers):
-        idle_workers.put((worker, inference_actors[index % len(inference_actors)]))
-
-    def push_weights(version: int) -> float:
-        started = time.monotonic()
-        weights = ray.put({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
-        ray.get([actor.set_weights.remote(version, weights) for actor in inference_actors])
-        return time.monotonic() - started
-
-    if state.version > 0:
-        push_weights(state.version)
-
-    def group_stream():
-        index = 0
-        while True:
-            yield f"group-{index:06d}", str(index)
-            index += 1
-
-    def submit_rollout(request: RolloutRequest, version: int) -> Future:
-        worker, inference = idle_workers.get()
-        seed = (
-            config.seed * 1_000_003 + int(request.task_key) * 7919 + request.sample_index * 104_729 + version
-        )
-        future = worker.run.remote(
-            group_index=int(request.task_key),
-            sample_index=request.sample_index,
-            rollout_id=request.rollout_id,
-            inference=inference,
-            seed=seed,
-            fleet=fleet,
-        ).future()
-        future.add_done_callback(lambda _done: idle_workers.put((worker, inference)))
-        return future
-
-    history: list[dict] = []
-
-    def train(groups: list[list[RolloutSample]], version: int) -> int:
-        update_started = time.monotonic()
-        samples = [sample for group in groups for sample in group]
-        with state.abandoned_lock:
-            abandoned, state.abandoned_groups = state.abandoned_groups, []
-        abandoned_samples = [sample for group in abandoned for sample in group]
-        records = []
-        for group_position, group in enumerate(groups):
-            for sample in group:
-                sample.result["record"].group = group_position
-                records.append(sample.result["record"])
-        guides, guide_failures = expert_guides(groups) if config.expert_guidance else ([], [])
-        # Expert members come after the rollouts, so advantages[i] is still records[i]'s for the logs below.
-        advantages = rollout_advantages([*records, *guides], update_config.grpo)
-        batches = segments_to_batches(
-            records=[*records, *guides],
-            advantages=advantages,
-            micro_batch_size=1,
-            pad_id=tokenizer.pad_id,
-            with_routing=model.config.is_moe,
-            merge_turns=update_config.grpo.normalization == "token",
-        )
-        lr_used = lr_schedule.get_last_lr()[0]
-        update_stats = policy_updates(
-            model=model, optimizer=optimizer, batches=batches, config=update_config, reference_model=reference_model
-        )
-        # The schedule follows the policy version even when this update trained nothing (a group that
-        # all passed or all failed has no advantage): `steps` counts versions, and a schedule that
-        # waited for trained updates would still be short of its decay when the run ends (40 % of a
-        # run's updates can train nothing). If the first update trained nothing, torch warns once that
-        # a schedule value was skipped; none was.
-        lr_schedule.step()
-        update_seconds = time.monotonic() - update_started
-        new_version = version + 1
-        state.counted_groups.update(group[0].request.group_id for group in [*groups, *abandoned])
-
-        valid = [record for record in records if record.valid]
-        results = [sample.result for sample in samples]
-        tool_calls = sum(result["stats"]["tool_calls"] for result in results)
-        tool_turns = sum(result["stats"]["tool_turns"] for result in results)
-        wall = time.monotonic() - state.started_at
-        state.generated_samples += len(samples) + len(abandoned_samples)
-        # The first probe_size rollouts of every group, trained or abandoned: a sample of the policy on
-        # fresh tasks that probing does not tilt (finished groups are the ones whose probe disagreed).
-        probe_size = config.probe_size or config.group_size
-        sampled = [
-            sample.result["record"]
-            for sample in [*samples, *abandoned_samples]
-            if sample.request.sample_index < probe_size and sample.result["record"].valid
-        ]
-        metrics = {
-            "step": new_version,
-            "rollouts": len(samples),
-            "valid_rollouts": len(valid),
-            "masked_rollouts": len(records) - len(valid),
-            "mean_reward": _mean([record.reward for record in valid]),
-            "pass_rate": _mean([float(record.passed) for record in valid]),
-            "mean_completion_tokens": _mean([float(record.completion_tokens) for record in records]),
-            "mean_turns": _mean([float(record.turns) for record in records]),
-            "tool_calls_per_turn": tool_calls / tool_turns if tool_turns else 0.0,
-            "parallel_call_share": (
-                sum(result["stats"]["parallel_turns"] for result in results) / tool_turns
-                if tool_turns
-                else 0.0
-            ),
-            "staleness_mean": _mean([float(sample.staleness) for sample in samples]),
-            "staleness_max": max(sample.staleness for sample in samples),
-            # Every finished rollout, abandoned probes included: what the fleet produced.
-            "rollouts_per_s": state.generated_samples / wall if wall > 0 else 0.0,
-            "abandoned_groups": len(abandoned),
-            "guided_groups": len(guides),
-            "guide_failures": len(guide_failures),
-            "abandoned_rollouts": len(abandoned_samples),
-            # pass_rate covers the trained groups only, which probing tilts towards tasks that are neither
-            # always solved nor never; this one is the policy's pass rate on the tasks it was given.
-            "sampled_pass_rate": _mean([float(record.passed) for record in sampled]),
-            "worker_utilization": min(1.0, scheduler.stats.busy_seconds / (config.rollout_workers * wall)),
-            "dropped_stale_total": scheduler.stats.dropped_stale,
-            "lr": lr_used,
-            "failed_rollouts_total": scheduler.stats.failed,
-            "stage_seconds": {
-                "sandbox": _mean([result["timings"]["sandbox_s"] for result in results]),
-                "agent": _mean([result["timings"]["agent_s"] for result in results]),
-                "reward": _mean([result["timings"]["reward_s"] for result in results]),
-                "update": update_seconds,
-            },
-            **{
-                key: value
-                for key, value in update_stats.items()
-                if key
-                in ("loss", "clip_fraction", "approx_kl", "entropy", "kl_to_reference", "trained_tokens",
-                    "shared_prefix_tokens")
-            },
-        }
-        rollout_rows = []
-        guided_positions = {guide.group for guide in guides}
-        labelled = [(group, False) for group in groups] + [(group, True) for group in abandoned]
-        for group_position, (group, was_abandoned) in enumerate(labelled):
-            for sample in group:
-                record = sample.result["record"]
-                rollout_rows.append(
-                    {
-                        "step": new_version,
-                        "abandoned": was_abandoned,
-                        "rollout_id": sample.request.rollout_id,
-                        "group_id": sample.request.group_id,
-                        "task_id": record.task_id,
-                        "sample_index": sample.request.sample_index,
-                        "valid": record.valid,
-                        "reward": record.reward,
-                        "passed": record.passed,
-                        "status": record.status,
-                        # records follow the groups in this order; list.index would compare records
-                        # field by field and fail on their tensors once two agree up to those.
-                        "advantage": 0.0 if was_abandoned else float(advantages[len(rollout_rows)]),
-                        "completion_tokens": record.completion_tokens,
-                        "turns": record.turns,
-                        "policy_version": sample.policy_version,
-                        "staleness": sample.staleness,
-                        "tools_used": sample.result["stats"]["tools_used"],
-                        "tool_calls": sample.result["stats"]["tool_calls"],
-                        "group_position": group_position,
-                        "guided": group_position in guided_positions,
-                    }
-                )
-        # Logs first, checkpoint second: a crash in between leaves log lines past the checkpoint,
-        # which the resumed run truncates and then redoes, so no step or rollout is logged twice.
-        (run_dir / TRACES_DIR).mkdir(exist_ok=True)
-        for sample, row in zip([*samples, *abandoned_samples], rollout_rows, strict=True):
-            write_json(trace_path(run_dir, row["rollout_id"]), sample.result["trace"])
-        for row in rollout_rows:
-            append_jsonl(run_dir / ROLLOUTS_FILE, row)
-        append_jsonl(run_dir / METRICS_FILE, metrics)
-        checkpoint_started = time.monotonic()
-        save_train_checkpoint(
-            run_dir=run_dir,
-            step=new_version,
-            model=model,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
-            scheduler=lr_schedule,
-            data_position={
-                "version": new_version,
-                "counted_groups": sorted(state.counted_groups),
-                "training_seconds": training_seconds(),
-            },
-            run_config={"stage": "async-rl", **config_data},
-            metrics=metrics,
-            keep_last=config.keep_checkpoints,
-        )
-        checkpoint_seconds = time.monotonic() - checkpoint_started
-        weight_push_seconds = push_weights(new_version)
-        metrics["stage_seconds"].update(checkpoint=checkpoint_seconds, weight_push=weight_push_seconds)
-        history.append(metrics)
-        if on_rollout is not None:
-            for sample, row in zip([*samples, *abandoned_samples], rollout_rows, strict=True):
-                on_rollout({**row, "trace": sample.result["trace"]})
-        if on_step is not None:
-            on_step(metrics)
-        state.version = new_version
-        return new_version
-
-    def expert_guides(groups: list[list[RolloutSample]]) -> tuple[list, list[str]]:
-        """Expert members for the groups none of whose valid rollouts passed, and why any could not be made.
-
-        The expert runs on a rollout worker (an environment server, in the rollouts' kind of sandbox) that
-        it borrows from the dispatch queue; the learner scores its tokens with the weights this update
-        starts from.
-        """
-        guides, failures = [], []
-        for group_position, group in enumerate(groups):
-            valid = [sample.result["record"] for sample in group if sample.result["record"].valid]
-            if not valid or any(record.passed for record in valid):
-                continue
-            worker, inference = idle_workers.get()
-            try:
-                result = ray.get(worker.expert.remote(group_index=int(group[0].request.task_key), fleet=fleet))
-            except ray.exceptions.RayError as error:  # a dead worker: Ray restarts it, the group goes unguided
-                result = {"error": f"rollout worker failed: {error}"}
-            finally:
-                idle_workers.put((worker, inference))
-            if "error" in result:
-                logger.warning("no expert guidance for %s: %s", group[0].request.group_id, result["error"])
-                failures.append(result["error"])
-                continue
-            guides.append(
-                expert_record_create(
-                    task_id=result["task_id"], group=group_position, messages=result["messages"],
-                    reward=result["reward"], tokenizer=tokenizer, model=model, temperature=update_config.temperature,
-                )
-            )
-        return guides, failures
-
-    def abandon_group(group: list[RolloutSample]) -> None:
-        with state.abandoned_lock:
-            state.abandoned_groups.append(group)
-
-    stop = stop or threading.Event()
-    # The budget's stop works like a pause: dispatching ends, the update in progress is checkpointed.
-    budget_timer = (
-        None if budget_seconds is None else threading.Timer(max(0.0, budget_seconds - training_seconds()), stop.set)
-    )
-    learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
-    scheduler = RolloutScheduler(
-        config=config.scheduler_config,
-        submit_rollout=submit_rollout,
-        submit_update=lambda groups, version: learner.submit(train, groups, version),
-        groups=group_stream(),
-        start_version=state.version,
-        is_counted=lambda group_id: group_id in state.counted_groups,
-        reward_of=lambda result: result["record"].reward,
-        on_group_abandoned=abandon_group,
-        stop=stop,
-    )
-    write_status(
-        run_dir,
-        {
-            "state": "running",
-            "pid": os.getpid(),
-            "version": state.version,
-            "rollout_worker_pids": ray.get([worker.pid.remote() for worker in workers]),
-            "inference_pids": ray.get([actor.pid.remote() for actor in inference_actors]),
-        },
-    )
-    if budget_timer is not None:
-        budget_timer.daemon = True
-        budget_timer.start()
-    try:
-        scheduler.run(steps=config.steps - state.version)
-    finally:
-        if budget_timer is not None:
-            budget_timer.cancel()
-        learner.shutdown(wait=True)
-        for actor in [*workers, *inference_actors]:
-            ray.kill(actor)
-        if fleet is not None and fleet_started:
-            fleet.shutdown()
-        if owns_ray:
-            ray.shutdown()
-    # A stop can come while an update is in flight: the scheduler no longer waits for it, the learner's
-    # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
-    version = max(scheduler.version, state.version)
-    finished = version >= config.steps or budget_spent()
-    write_status(
-        run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
-    )
-    return history
+    return ray, owns_ray, fleet, fleet_started
 
 
 def _fleet_start(config: AsyncRLConfig):
@@ -487,13 +448,19 @@ def _fleet_start(config: AsyncRLConfig):
         return Fleet.start(fleet_config), True
 
 
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Asynchronous GRPO driver (Ray single controller).")
-    parser.add_argument("--config", required=True, help="JSON file with AsyncRLConfig fields")
-    args = parser.parse_args(argv)
+    parser = config_argument_parser(AsyncRLConfig, description="Asynchronous GRPO driver (Ray single controller).")
+    parser.add_argument(
+        "--config", help="JSON file with AsyncRLConfig fields; the flags below override its values"
+    )
+    args = vars(parser.parse_args(argv))
+    path = args.pop("config", None)
+    data = json.loads(Path(path).read_text()) if path else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = AsyncRLConfig.from_dict(json.loads(Path(args.config).read_text()))
+    try:
+        config = AsyncRLConfig.from_dict({**data, **args})
+    except (AsyncRLConfigError, TypeError) as error:
+        parser.error(str(error))
     stop = threading.Event()
     # SIGTERM (pause, cancel, shutdown) stops dispatching; the update in progress still finishes and
     # is checkpointed, so a later start resumes exactly there.

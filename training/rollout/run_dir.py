@@ -16,15 +16,71 @@ module imports neither torch nor Ray: the web process reads runs through it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
 STATUS_FILE = "driver_status.json"
 TRACES_DIR = "traces"
+
+
+@dataclass
+class RolloutRow:
+    """One line of rollouts.jsonl: a rollout trained on (or abandoned after its probe) at update ``step``.
+
+    Both RL loops write this schema (training.train.rl and training.rollout.driver); the web app reads it
+    (webapp.experiments.services) together with the rollout's trace file (``trace_path``).
+    """
+
+    step: int
+    """The policy version the update that consumed the rollout produced."""
+    rollout_id: str
+    """Unique id of the rollout within the run (its trace file's name)."""
+    group_id: str
+    """Id of the rollout's GRPO group (rollouts of one task sharing a baseline)."""
+    task_id: str
+    """The task the rollout worked on."""
+    sample_index: int
+    """Position of the rollout within its group."""
+    group_position: int
+    """Position of the group within the update (abandoned groups follow the trained ones)."""
+    valid: bool
+    """False when infrastructure failed: masked, never scored."""
+    reward: float | None
+    """Hidden-test reward (None for invalid rollouts)."""
+    passed: bool
+    """All hidden tests passed."""
+    tests_total: int
+    """Hidden tests that ran when scoring."""
+    status: str
+    """How the agent loop ended (or the infrastructure failure)."""
+    advantage: float
+    """The rollout's GRPO advantage in its update (0 for abandoned and masked rollouts)."""
+    completion_tokens: int
+    """Sampled tokens over all the rollout's model calls."""
+    turns: int
+    """Agent-loop turns."""
+    policy_version: int
+    """Policy version that generated the rollout (its first model call)."""
+    staleness: int = 0
+    """Updates between generating and training on it (0 in the synchronous loop)."""
+    abandoned: bool = False
+    """The group was abandoned after its probe (logged, not trained on)."""
+    guided: bool = False
+    """The scripted expert's trajectory joined the rollout's group (training.train.guidance)."""
+    tool_calls: int = 0
+    """Tool calls the agent made."""
+    tools_used: dict[str, int] = field(default_factory=dict)
+    """Tool name -> calls."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def trace_path(run_dir: str | Path, rollout_id: str) -> Path:

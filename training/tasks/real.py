@@ -129,6 +129,74 @@ def _issue_text(module: str, command: str, output: str, failing: list[str]) -> s
     )
 
 
+def _real_task(
+    *,
+    module: str,
+    split: str,
+    files: dict[str, str],
+    test_module: str,
+    command: str,
+    mutation,
+    output: str,
+    fail_to_pass: list[str],
+    pass_to_pass: list[str],
+    test_timeout_s: float,
+) -> CodingTask:
+    """The CodingTask of a validated stdlib mutation: the buggy repository, its issue text and test ids."""
+    source_path = f"{module}.py"
+    return CodingTask(
+        task_id=f"real-{module}-{mutation.fingerprint}",
+        tier="real",
+        split=split,
+        prompt=_issue_text(module, command, output, fail_to_pass),
+        files={**files, source_path: mutation.mutated_source},
+        hidden_tests={f"{test_module}.py": files[f"{test_module}.py"]},
+        test_command=command,
+        fail_to_pass=tuple(fail_to_pass),
+        pass_to_pass=tuple(pass_to_pass),
+        solution=minimal_fix_edit(path=source_path, buggy=mutation.mutated_source, fixed=mutation.original_source),
+        mutation_kind=mutation.kind,
+        mutation_description=mutation.description,
+        metadata={
+            "module": module,
+            "function": mutation.function,
+            "line": mutation.lineno,
+            "source": "cpython-stdlib",
+        },
+        test_timeout_s=test_timeout_s,
+    )
+
+
+def _module_baseline(*, module: str, backend, config: RealTierConfig, report: MiningReport):
+    """(files, test module, test command, snapshot, tests passing clean) of a stdlib module's repository, or
+    None (the rejection recorded in `report`) when its clean tests do not run in the sandbox."""
+    from sandboxes.base import RepoSource
+
+    try:
+        files, test_module = stdlib_repository(module)
+    except TaskError as error:
+        report.rejected.append({"module": module, "reason": str(error)})
+        return None
+    command = f"python3 -m unittest -v {test_module}"
+    with tempfile.TemporaryDirectory(prefix=f"flowstate-real-{module}-") as directory:
+        for path, text in files.items():
+            (Path(directory) / path).write_text(text)
+        snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=directory))
+    baseline, baseline_statuses, ran = _run_tests(
+        backend=backend,
+        snapshot=snapshot,
+        files_override={},
+        command=command,
+        timeout_s=config.test_timeout_s,
+    )
+    passing = {name for name, status in baseline_statuses.items() if status == "ok"}
+    if ran is None or not passing or baseline.timed_out:
+        reason = f"clean tests do not run in the sandbox (exit {baseline.exit_code})"
+        report.rejected.append({"module": module, "reason": reason, "output": baseline.stderr[-500:]})
+        return None
+    return files, test_module, command, snapshot, passing
+
+
 def mine_stdlib_tasks(
     *,
     config: RealTierConfig,
@@ -141,7 +209,6 @@ def mine_stdlib_tasks(
     `known_fingerprints` (task ids' suffixes of an existing task set) are skipped as duplicates, so
     mining can be repeated with other seeds and only adds new bugs.
     """
-    from sandboxes.base import RepoSource
 
     report = MiningReport()
     seen: set[str] = set(known_fingerprints)
@@ -150,28 +217,10 @@ def mine_stdlib_tasks(
         split = module_split(module)
         if config.split is not None and split != config.split:
             continue
-        try:
-            files, test_module = stdlib_repository(module)
-        except TaskError as error:
-            report.rejected.append({"module": module, "reason": str(error)})
+        prepared = _module_baseline(module=module, backend=backend, config=config, report=report)
+        if prepared is None:
             continue
-        command = f"python3 -m unittest -v {test_module}"
-        with tempfile.TemporaryDirectory(prefix=f"flowstate-real-{module}-") as directory:
-            for path, text in files.items():
-                (Path(directory) / path).write_text(text)
-            snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=directory))
-        baseline, baseline_statuses, ran = _run_tests(
-            backend=backend,
-            snapshot=snapshot,
-            files_override={},
-            command=command,
-            timeout_s=config.test_timeout_s,
-        )
-        passing = {name for name, status in baseline_statuses.items() if status == "ok"}
-        if ran is None or not passing or baseline.timed_out:
-            reason = f"clean tests do not run in the sandbox (exit {baseline.exit_code})"
-            report.rejected.append({"module": module, "reason": reason, "output": baseline.stderr[-500:]})
-            continue
+        files, test_module, command, snapshot, passing = prepared
         source_path = f"{module}.py"
         mutations = enumerate_mutations(files[source_path], path=source_path)
         rng.shuffle(mutations)
@@ -205,30 +254,10 @@ def mine_stdlib_tasks(
                     }
                 )
                 continue
-            pass_to_pass = sorted(passing - set(fail_to_pass))
-            buggy_files = {**files, source_path: mutation.mutated_source}
-            task = CodingTask(
-                task_id=f"real-{module}-{mutation.fingerprint}",
-                tier="real",
-                split=split,
-                prompt=_issue_text(module, command, result.stdout + result.stderr, fail_to_pass),
-                files=buggy_files,
-                hidden_tests={f"{test_module}.py": files[f"{test_module}.py"]},
-                test_command=command,
-                fail_to_pass=tuple(fail_to_pass),
-                pass_to_pass=tuple(pass_to_pass),
-                solution=minimal_fix_edit(
-                    path=source_path, buggy=mutation.mutated_source, fixed=mutation.original_source
-                ),
-                mutation_kind=mutation.kind,
-                mutation_description=mutation.description,
-                metadata={
-                    "module": module,
-                    "function": mutation.function,
-                    "line": mutation.lineno,
-                    "source": "cpython-stdlib",
-                },
-                test_timeout_s=config.test_timeout_s,
+            task = _real_task(
+                module=module, split=split, files=files, test_module=test_module, command=command,
+                mutation=mutation, output=result.stdout + result.stderr, fail_to_pass=fail_to_pass,
+                pass_to_pass=sorted(passing - set(fail_to_pass)), test_timeout_s=config.test_timeout_s,
             )
             report.tasks.append(task)
             if on_progress is not None:

@@ -353,6 +353,93 @@ def _test_file(module_path: str, functions: list[tuple[str, list[tuple[tuple, ob
     return "\n".join(lines)
 
 
+def _toy_function(rng: random.Random, template) -> tuple[str, str, list]:
+    """(name, source, test cases) of one function drawn from `template`: up to CASES_PER_FUNCTION distinct
+    inputs it returns on, with the values it returns."""
+    name = rng.choice(template.names)
+    constants = template.make_constants(rng)
+    source = textwrap.dedent(template.source).strip("\n").format(name=name, **constants) + "\n"
+    cases = []
+    seen_args: set[str] = set()
+    for _attempt in range(40):
+        args = template.make_inputs(rng, constants)
+        if repr(args) in seen_args:
+            continue
+        seen_args.add(repr(args))
+        status, value = _run_function(source, name, args)
+        if status == "ok":
+            cases.append((args, value))
+        if len(cases) == CASES_PER_FUNCTION:
+            break
+    return name, source, cases
+
+
+def _exposed_mutation(rng: random.Random, source: str, *, path: str, name: str, cases: list):
+    """(mutation, its failing cases (index, args, expected, status, value)) of the first mutation of `name`
+    that at least one of its cases exposes, in an order drawn kind first; (None, []) when none is."""
+    mutations = enumerate_mutations(source, path=path, functions={name})
+    # Draw the kind first so that frequent sites (integer constants) do not crowd out the rest.
+    by_kind: dict[str, list] = {}
+    for mutation in mutations:
+        by_kind.setdefault(mutation.kind, []).append(mutation)
+    kind_order = sorted(by_kind)
+    rng.shuffle(kind_order)
+    ordered = []
+    for kind in kind_order:
+        rng.shuffle(by_kind[kind])
+        ordered.extend(by_kind[kind])
+    for mutation in ordered:
+        failing = []
+        for index, (args, expected) in enumerate(cases):
+            status, value = _run_function(mutation.mutated_source, name, args)
+            if status != "ok" or value != expected:
+                failing.append((index, args, expected, status, value))
+        if failing and len(failing) < len(cases) + 1:
+            return mutation, failing
+    return None, []
+
+
+def _toy_files(
+    *,
+    package: str,
+    module_names: list[str],
+    module_sources: dict[str, str],
+    functions: list,
+    buggy_module: str,
+    buggy_name: str,
+    mutated_source: str,
+    failing_indexes: set[int],
+) -> tuple[dict[str, str], dict[str, str], list[str], list[str]]:
+    """(the repository's files, the hidden tests, fail_to_pass ids, pass_to_pass ids) of a toy task."""
+    files = {
+        f"{package}/__init__.py": f'"""{package.split("_")[0].title()} utilities."""\n',
+        "tests/__init__.py": "",
+        "README.md": f"# {package}\n\nSmall utility package. Run the tests with `{TEST_COMMAND}`.\n",
+    }
+    hidden_tests: dict[str, str] = {}
+    fail_to_pass: list[str] = []
+    pass_to_pass: list[str] = []
+    for module in module_names:
+        path = f"{package}/{module}.py"
+        files[path] = mutated_source if module == buggy_module else module_sources[module]
+        module_functions = [(name, cases) for mod, name, _, cases in functions if mod == module]
+        test_path = f"tests/test_{module}.py"
+        hidden_tests[test_path] = _test_file(path, module_functions)
+        # The agent sees the tests of the healthy functions only; the buggy one's tests stay hidden.
+        visible = [(name, cases) for name, cases in module_functions if name != buggy_name]
+        if visible:
+            files[test_path] = _test_file(path, visible)
+        class_name = f"Test{module.title()}"
+        for name, cases in module_functions:
+            for index in range(len(cases)):
+                test_id = f"tests.test_{module}.{class_name}.test_{name}_{index}"
+                if name == buggy_name and index in failing_indexes:
+                    fail_to_pass.append(test_id)
+                else:
+                    pass_to_pass.append(test_id)
+    return files, hidden_tests, fail_to_pass, pass_to_pass
+
+
 def generate_toy_task(seed: int) -> CodingTask:
     """The toy task for `seed`: three functions in two modules, one of them with an injected bug."""
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -365,22 +452,7 @@ def generate_toy_task(seed: int) -> CodingTask:
 
     functions = []  # (module, name, source, cases)
     for template, module in zip(templates, placement):
-        name = rng.choice(template.names)
-        constants = template.make_constants(rng)
-        source = textwrap.dedent(template.source).strip("\n").format(name=name, **constants) + "\n"
-        cases = []
-        seen_args: set[str] = set()
-        for _attempt in range(40):
-            args = template.make_inputs(rng, constants)
-            if repr(args) in seen_args:
-                continue
-            seen_args.add(repr(args))
-            status, value = _run_function(source, name, args)
-            if status == "ok":
-                cases.append((args, value))
-            if len(cases) == CASES_PER_FUNCTION:
-                break
-        functions.append((module, name, source, cases))
+        functions.append((module, *_toy_function(rng, template)))
 
     module_sources = {
         module: "\n\n".join(source for mod, _, source, _ in functions if mod == module)
@@ -390,57 +462,17 @@ def generate_toy_task(seed: int) -> CodingTask:
     buggy_module, buggy_name, _, buggy_cases = functions[buggy_index]
     module_path = f"{package}/{buggy_module}.py"
 
-    mutations = enumerate_mutations(module_sources[buggy_module], path=module_path, functions={buggy_name})
-    # Draw the kind first so that frequent sites (integer constants) do not crowd out the rest.
-    by_kind: dict[str, list] = {}
-    for mutation in mutations:
-        by_kind.setdefault(mutation.kind, []).append(mutation)
-    kind_order = sorted(by_kind)
-    rng.shuffle(kind_order)
-    ordered = []
-    for kind in kind_order:
-        rng.shuffle(by_kind[kind])
-        ordered.extend(by_kind[kind])
-    chosen = None
-    for mutation in ordered:
-        failing = []
-        for index, (args, expected) in enumerate(buggy_cases):
-            status, value = _run_function(mutation.mutated_source, buggy_name, args)
-            if status != "ok" or value != expected:
-                failing.append((index, args, expected, status, value))
-        if failing and len(failing) < len(buggy_cases) + 1:
-            chosen, chosen_failing = mutation, failing
-            break
+    chosen, chosen_failing = _exposed_mutation(
+        rng, module_sources[buggy_module], path=module_path, name=buggy_name, cases=buggy_cases
+    )
     if chosen is None:
         raise TaskError(f"seed {seed}: no mutation of {buggy_name} is exposed by its tests")
 
-    files = {
-        f"{package}/__init__.py": f'"""{package.split("_")[0].title()} utilities."""\n',
-        "tests/__init__.py": "",
-        "README.md": f"# {package}\n\nSmall utility package. Run the tests with `{TEST_COMMAND}`.\n",
-    }
-    hidden_tests: dict[str, str] = {}
-    fail_to_pass: list[str] = []
-    pass_to_pass: list[str] = []
-    for module in module_names:
-        path = f"{package}/{module}.py"
-        files[path] = chosen.mutated_source if module == buggy_module else module_sources[module]
-        module_functions = [(name, cases) for mod, name, _, cases in functions if mod == module]
-        test_path = f"tests/test_{module}.py"
-        hidden_tests[test_path] = _test_file(path, module_functions)
-        # The agent sees the tests of the healthy functions only; the buggy one's tests stay hidden.
-        visible = [(name, cases) for name, cases in module_functions if name != buggy_name]
-        if visible:
-            files[test_path] = _test_file(path, visible)
-        class_name = f"Test{module.title()}"
-        for name, cases in module_functions:
-            for index in range(len(cases)):
-                test_id = f"tests.test_{module}.{class_name}.test_{name}_{index}"
-                failing_indexes = {item[0] for item in chosen_failing}
-                if name == buggy_name and index in failing_indexes:
-                    fail_to_pass.append(test_id)
-                else:
-                    pass_to_pass.append(test_id)
+    files, hidden_tests, fail_to_pass, pass_to_pass = _toy_files(
+        package=package, module_names=module_names, module_sources=module_sources, functions=functions,
+        buggy_module=buggy_module, buggy_name=buggy_name, mutated_source=chosen.mutated_source,
+        failing_indexes={item[0] for item in chosen_failing},
+    )
 
     _, args, expected, status, value = chosen_failing[0]
     call = f"{buggy_name}({', '.join(repr(arg) for arg in args)})"

@@ -296,6 +296,39 @@ class PolicyLossOutput:
     """Mean k3 estimate of KL(current || reference) over valid tokens; None when no reference logprobs were given."""
 
 
+def _policy_loss_inputs_check(
+    *,
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: GRPOConfig,
+    entropies: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+) -> None:
+    """policy_loss's shape and option checks: a ValueError that says what to pass."""
+    if logprobs.shape != behaviour_logprobs.shape or logprobs.shape != loss_mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, behaviour_logprobs {tuple(behaviour_logprobs.shape)} and "
+            f"loss_mask {tuple(loss_mask.shape)} must all be [batch, tokens]."
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [batch]={logprobs.shape[0]}, got {tuple(advantages.shape)}.")
+    if entropies is not None and entropies.shape != logprobs.shape:
+        raise ValueError(f"entropies {tuple(entropies.shape)} must be [batch, tokens] like logprobs.")
+    if config.entropy_coef != 0 and entropies is None:
+        raise ValueError("config.entropy_coef is not 0 but no entropies were given; pass the policy's entropies.")
+    if reference_logprobs is not None and reference_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"reference_logprobs {tuple(reference_logprobs.shape)} must be [batch, tokens] like logprobs."
+        )
+    if config.kl_coef != 0 and reference_logprobs is None:
+        raise ValueError(
+            "config.kl_coef is not 0 but no reference_logprobs were given; pass the reference policy's logprobs "
+            "of the sampled tokens."
+        )
+
+
 def policy_loss(
     *,
     logprobs: torch.Tensor,
@@ -319,26 +352,10 @@ def policy_loss(
     reference_logprobs: [B, T] the sampled tokens' logprobs under the reference policy (no grad),
     required when config.kl_coef is not 0.
     """
-    if logprobs.shape != behaviour_logprobs.shape or logprobs.shape != loss_mask.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, behaviour_logprobs {tuple(behaviour_logprobs.shape)} and "
-            f"loss_mask {tuple(loss_mask.shape)} must all be [batch, tokens]."
-        )
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [batch]={logprobs.shape[0]}, got {tuple(advantages.shape)}.")
-    if entropies is not None and entropies.shape != logprobs.shape:
-        raise ValueError(f"entropies {tuple(entropies.shape)} must be [batch, tokens] like logprobs.")
-    if config.entropy_coef != 0 and entropies is None:
-        raise ValueError("config.entropy_coef is not 0 but no entropies were given; pass the policy's entropies.")
-    if reference_logprobs is not None and reference_logprobs.shape != logprobs.shape:
-        raise ValueError(
-            f"reference_logprobs {tuple(reference_logprobs.shape)} must be [batch, tokens] like logprobs."
-        )
-    if config.kl_coef != 0 and reference_logprobs is None:
-        raise ValueError(
-            "config.kl_coef is not 0 but no reference_logprobs were given; pass the reference policy's logprobs "
-            "of the sampled tokens."
-        )
+    _policy_loss_inputs_check(
+        logprobs=logprobs, behaviour_logprobs=behaviour_logprobs, advantages=advantages, loss_mask=loss_mask,
+        config=config, entropies=entropies, reference_logprobs=reference_logprobs,
+    )
     mask = loss_mask.to(logprobs.dtype)
     # where() rather than multiplication: padding may hold NaN/inf behaviour logprobs.
     log_ratio = torch.where(loss_mask.bool(), logprobs - behaviour_logprobs.to(logprobs.dtype), 0.0)
@@ -376,6 +393,24 @@ def policy_loss(
         denominator = token_normalizer if token_normalizer is not None else max(int(has_tokens.sum()), 1)
         loss = sequence_means[has_tokens].sum() / denominator
 
+    return _policy_loss_output(
+        loss=loss, mask=mask, n_tokens=n_tokens, ratio=ratio, log_ratio=log_ratio, surrogate=surrogate,
+        unclipped=unclipped, entropies=entropies, kl_per_token=kl_per_token,
+    )
+
+def _policy_loss_output(
+    *,
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    n_tokens: int,
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    surrogate: torch.Tensor,
+    unclipped: torch.Tensor,
+    entropies: torch.Tensor | None,
+    kl_per_token: torch.Tensor | None,
+) -> PolicyLossOutput:
+    """policy_loss's result: the loss and its statistics over the loss positions."""
     with torch.no_grad():
         valid = mask.bool()
         if n_tokens:

@@ -256,27 +256,9 @@ def train_supervised(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    model = build_model(model_config, seed=config.seed)
-    if initial_weights is not None:
-        initial_weights(model)
-    resumed_from = 0
-    samples_seen = 0
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None and (
-        config.expert_parallel or read_trainer_state(checkpoint)["run_config"].get("loop", {}).get("expert_parallel")
-    ):
-        raise TrainConfigError(
-            f"{run_dir} holds a checkpoint of an expert-parallel run (or this run is expert-parallel): its "
-            "optimizer state is sharded per rank, so it cannot be resumed exactly. Its weights are complete: "
-            f"start a new run_dir with --init-checkpoint {checkpoint}."
-        )
-    if config.expert_parallel:
-        shard_experts(model, context=context)
-    optimizer = build_optimizer(model, config.optimizer)
-    scheduler = build_scheduler(optimizer, config.optimizer, total_steps=config.steps)
-    if checkpoint is not None:
-        restored = load_train_checkpoint(path=checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        resumed_from, samples_seen = restored.step, int(restored.data_position["samples_seen"])
+    model, optimizer, scheduler, resumed_from, samples_seen = _model_resume(
+        model_config=model_config, config=config, run_dir=run_dir, context=context, initial_weights=initial_weights
+    )
     trained = wrap_data_parallel(model, context=context)
     experts = [parameter for _, parameter in expert_parameters(model)]
 
@@ -291,31 +273,9 @@ def train_supervised(
             data.batch(start=rank_start + offset, size=config.micro_batch_size)
             for offset in range(0, per_rank, config.micro_batch_size)
         ]
-        global_tokens = all_reduce_sum(float(sum(b.n_target_tokens for b in micro_batches)), context)
-        global_micro_batches = len(micro_batches) * context.world_size
-        # DDP averages gradients over ranks; scaling by world_size turns that average into the sum
-        # that one process accumulating every micro-batch would compute.
-        scale = float(context.world_size)
-        totals = {"ce_sum": 0.0, "load_balancing": 0.0, "router_z": 0.0}
-        for index, micro in enumerate(micro_batches):
-            sync = index == len(micro_batches) - 1
-            with _maybe_no_sync(trained, sync):
-                output = trained(micro.input_ids)
-                ce_sum = F.cross_entropy(
-                    output.logits.flatten(0, 1), micro.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-                aux = (
-                    config.load_balancing_coef * output.load_balancing_loss
-                    + config.router_z_coef * output.router_z_loss
-                ) / global_micro_batches
-                loss = (ce_sum / max(global_tokens, 1.0) + aux) * scale
-                loss.backward()
-            totals["ce_sum"] += float(ce_sum.detach())
-            totals["load_balancing"] += float(output.load_balancing_loss.detach()) / global_micro_batches
-            totals["router_z"] += float(output.router_z_loss.detach()) / global_micro_batches
-        for parameter in experts:
-            if parameter.grad is not None:
-                parameter.grad.div_(scale)
+        global_tokens, totals = _accumulate_gradients(
+            trained=trained, micro_batches=micro_batches, experts=experts, config=config, context=context
+        )
         grad_norm = clip_grad_norm(model, max_norm=config.optimizer.grad_clip, context=context)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -357,6 +317,78 @@ def train_supervised(
     if final_checkpoint is None and context.is_main:
         final_checkpoint = latest_checkpoint(run_dir)
     return TrainResult(run_dir=run_dir, final_checkpoint=final_checkpoint, history=history, resumed_from_step=resumed_from)
+
+
+def _model_resume(
+    *,
+    model_config: ModelConfig,
+    config: LoopConfig,
+    run_dir: Path,
+    context: DistributedContext,
+    initial_weights: Callable[[MoETransformer], None] | None,
+) -> tuple[MoETransformer, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, int, int]:
+    """(model, optimizer, lr schedule, step resumed from, samples seen): built fresh, then restored from the
+    run's newest checkpoint when there is one."""
+    model = build_model(model_config, seed=config.seed)
+    if initial_weights is not None:
+        initial_weights(model)
+    resumed_from = 0
+    samples_seen = 0
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None and (
+        config.expert_parallel or read_trainer_state(checkpoint)["run_config"].get("loop", {}).get("expert_parallel")
+    ):
+        raise TrainConfigError(
+            f"{run_dir} holds a checkpoint of an expert-parallel run (or this run is expert-parallel): its "
+            "optimizer state is sharded per rank, so it cannot be resumed exactly. Its weights are complete: "
+            f"start a new run_dir with --init-checkpoint {checkpoint}."
+        )
+    if config.expert_parallel:
+        shard_experts(model, context=context)
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = build_scheduler(optimizer, config.optimizer, total_steps=config.steps)
+    if checkpoint is not None:
+        restored = load_train_checkpoint(path=checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+        resumed_from, samples_seen = restored.step, int(restored.data_position["samples_seen"])
+    return model, optimizer, scheduler, resumed_from, samples_seen
+
+
+def _accumulate_gradients(
+    *,
+    trained: torch.nn.Module,
+    micro_batches: list,
+    experts: list[torch.nn.Parameter],
+    config: LoopConfig,
+    context: DistributedContext,
+) -> tuple[float, dict[str, float]]:
+    """Forward and backward every micro-batch of this rank's share of the step; returns (target tokens of the
+    whole step over all ranks, this rank's loss sums: ce_sum, load_balancing, router_z)."""
+    global_tokens = all_reduce_sum(float(sum(b.n_target_tokens for b in micro_batches)), context)
+    global_micro_batches = len(micro_batches) * context.world_size
+    # DDP averages gradients over ranks; scaling by world_size turns that average into the sum
+    # that one process accumulating every micro-batch would compute.
+    scale = float(context.world_size)
+    totals = {"ce_sum": 0.0, "load_balancing": 0.0, "router_z": 0.0}
+    for index, micro in enumerate(micro_batches):
+        sync = index == len(micro_batches) - 1
+        with _maybe_no_sync(trained, sync):
+            output = trained(micro.input_ids)
+            ce_sum = F.cross_entropy(
+                output.logits.flatten(0, 1), micro.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            aux = (
+                config.load_balancing_coef * output.load_balancing_loss
+                + config.router_z_coef * output.router_z_loss
+            ) / global_micro_batches
+            loss = (ce_sum / max(global_tokens, 1.0) + aux) * scale
+            loss.backward()
+        totals["ce_sum"] += float(ce_sum.detach())
+        totals["load_balancing"] += float(output.load_balancing_loss.detach()) / global_micro_batches
+        totals["router_z"] += float(output.router_z_loss.detach()) / global_micro_batches
+    for parameter in experts:
+        if parameter.grad is not None:
+            parameter.grad.div_(scale)
+    return global_tokens, totals
 
 
 def _save(

@@ -231,3 +231,20 @@ def rollouts_collect(
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(jobs)))) as pool:
         list(pool.map(run, jobs))
     return [records[key] for key in sorted(records)]
+
+
+def tool_statistics(events: list[dict]) -> dict:
+    """Tool calls, tool-calling turns, turns with parallel calls, and the tool names used."""
+    per_turn: dict[int, int] = {}
+    names: dict[str, int] = {}
+    for event in events:
+        if event.get("kind") == "tool_call":
+            per_turn[event["turn"]] = per_turn.get(event["turn"], 0) + 1
+            name = event["payload"].get("name", "?")
+            names[name] = names.get(name, 0) + 1
+    return {
+        "tool_calls": sum(per_turn.values()),
+        "tool_turns": len(per_turn),
+        "parallel_turns": sum(1 for count in per_turn.values() if count > 1),
+        "tools_used": names,
+    }
