@@ -74,6 +74,11 @@ def _backend(name: str, root: str):
 def _measure(box, op: str) -> dict:
     from sandboxes.tools import ToolCall, execute_tool_calls
 
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # give back what an earlier op freed, so reusing it counts as growth
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, so the peak below is this call's
     before = _status("VmRSS")
     started = time.perf_counter()

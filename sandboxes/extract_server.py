@@ -221,20 +221,19 @@ def extract_unprivileged(archive_fd: int, dest_fd: int, *, limits, run_as: tuple
 def serve() -> int:
     """Main loop of the server process: argv = [socket fd, '-' or 'uid:gid' to drop to]."""
     import ctypes
+    import importlib
 
     sock_fd, drop = int(sys.argv[1]), sys.argv[2]
+    # Imported once here, before any privilege drop (the interpreter's own files may be out of the
+    # uid's reach) and not again in every child: tarfile opens compressed archives lazily.
+    for module in ("sandboxes.archives", "gzip", "bz2", "lzma", "encodings.cp437"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
     if drop != "-":
         uid, gid = (int(part) for part in drop.split(":"))
         privileges_drop(uid, gid)
     if os.geteuid() == 0 or 0 in os.getresuid():
         return 2  # never serve as root
-    import importlib
-
-    # Imported once here, not again in every child: tarfile opens compressed archives lazily.
-    for module in ("sandboxes.archives", "gzip", "bz2", "lzma", "encodings.cp437"):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(module)
-
     pr_set_dumpable = 4
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)  # inherited by every child
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
