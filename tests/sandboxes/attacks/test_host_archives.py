@@ -305,3 +305,36 @@ def test_extraction_drops_privileges_itself_when_the_checkout_is_out_of_reach(tm
     server = extract_server.server_for((54321, 54321))
     assert server.mode == "self-drop"
     _assert_unprivileged(server.process.pid, 54321)
+
+
+def test_a_forked_worker_starts_its_own_server(tmp_path):
+    """A prefork pool forks the worker after its backend pre-started a server: the child must not share
+    the parent's socket (it would mix requests), and the parent's server must keep working."""
+    if os.geteuid() != 0:
+        pytest.skip("the extraction server is only used as root")
+    import subprocess
+    import sys
+
+    archive = _tar(tmp_path / "f.tar", [_entry("f.txt", data=b"x\n")])
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+from pathlib import Path
+from sandboxes import extract_server
+from sandboxes.archives import extract_archive
+run_as = (54324, 54324)
+extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'parent-1')!r}), run_as=run_as)
+parent_server = extract_server.server_for(run_as).process.pid
+child = os.fork()
+if child == 0:
+    extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'child')!r}), run_as=run_as)
+    os._exit(0 if extract_server.server_for(run_as).process.pid != parent_server else 3)
+_, status = os.waitpid(child, 0)
+extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'parent-2')!r}), run_as=run_as)
+assert extract_server.server_for(run_as).process.pid == parent_server
+print("exit", os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "exit 0", done.stderr[-2000:]
+    for name in ("parent-1", "child", "parent-2"):
+        assert (tmp_path / name / "f.txt").stat().st_uid == 54324
