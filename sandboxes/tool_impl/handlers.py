@@ -161,7 +161,7 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
             "whitespace and indentation. " + hint
         )
     if len(positions) > 1:
-        total = len(positions) if len(positions) <= 20 else data.count(needle)
+        total = str(len(positions)) if len(positions) <= 20 else "more than 20"
         lines = ", ".join(str(data.count(b"\n", 0, p) + 1) for p in positions[:20])
         raise ToolFailure(
             f"old_str was found {total} times in {path} (starting at lines {lines}); "
