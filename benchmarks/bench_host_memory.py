@@ -72,10 +72,10 @@ def _backend(name: str, root: str):
 
 
 def _measure(box, op: str) -> dict:
-    from sandboxes.tools import ToolCall, execute_tool_calls
-
     import ctypes
     import gc
+
+    from sandboxes.tools import ToolCall, execute_tool_calls
 
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)  # give back what an earlier op freed, so reusing it counts as growth
