@@ -168,7 +168,15 @@ def build_root(cfg):
     for name in ("workspace", "tmp", "proc", "dev"):
         os.makedirs(f"{newroot}/{name}", exist_ok=True)
     if cfg["workspace_bind"]:
-        bind(cfg["workspace_bind"], f"{newroot}/workspace", readonly=False)
+        # Setup commands write into the snapshot tree itself: it is the upper layer of an overlay over an
+        # empty lower one (not a bind, whose source path /proc/self/mountinfo would show), mounted with
+        # paths relative to the sandbox directory like the workspace overlay below.
+        os.mkdir(f"{disk}/empty")
+        os.chdir(base)
+        upper = os.path.relpath(cfg["workspace_bind"], base)
+        work = os.path.relpath(cfg["workspace_workdir"], base)
+        mount("overlay", f"{newroot}/workspace", "overlay", MS_NOSUID | MS_NODEV,
+              f"lowerdir=disk/empty,upperdir={upper},workdir={work}")
     else:
         os.chown(f"{disk}/upper", agent_uid, agent_gid)
         # Relative layer paths (resolved from the sandbox directory): the overlay's options appear in

@@ -10,39 +10,31 @@ too many members and too many bytes (declared or actual) raise ``ArchiveRejected
 member; a corrupt or truncated archive raises ``ArchiveRejected`` too, never a library exception.
 
 When the caller runs as root and names an unprivileged ``run_as`` owner, extraction happens in a
-child process under that uid (no capabilities, no new privileges, bounded address space and CPU
-time) that receives the archive and the destination as open file descriptors, so a bug in the
-extractor cannot write as root.
+process under that uid (no capabilities, no new privileges, bounded address space and CPU time)
+that receives the archive and the destination as open file descriptors, so a bug in the extractor
+cannot write as root: a child of the worker's unprivileged fork server (``extract_server``).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import posixpath
 import stat
-import subprocess
-import sys
 import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
 from sandboxes.base import ArchiveRejected, PathOutsideWorkspace
+from sandboxes.extract_server import extract_unprivileged
 from sandboxes.safe_fs import open_beneath
 
 logger = logging.getLogger(__name__)
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
-_REJECTED_EXIT = 3
-CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
-"""Address-space limit of the unprivileged extraction child."""
-CHILD_CPU_SECONDS = 300
-"""CPU-time limit of the unprivileged extraction child."""
 MAX_LINK_TARGET = 4096
 
 
@@ -313,96 +305,8 @@ def extract_archive(archive: Path, destination: Path, *, limits: ArchiveLimits |
         os.close(dest_fd)
 
 
-def _reachable_by_anyone(path: str) -> bool:
-    """Whether a user with no privileges can reach (o+x on every directory) and read/execute ``path``."""
-    real = os.path.realpath(path)
-    parts = Path(real).parents
-    if any(not os.stat(parent).st_mode & stat.S_IXOTH for parent in parts):
-        return False
-    return bool(os.stat(real).st_mode & (stat.S_IROTH | stat.S_IXOTH))
-
-
-def child_python() -> str | None:
-    """An interpreter an unprivileged uid can run with this package importable, or None."""
-    if not _reachable_by_anyone(_REPO_ROOT):
-        return None
-    for candidate in (sys.executable, "/usr/bin/python3"):
-        if os.path.exists(candidate) and _reachable_by_anyone(candidate):
-            return candidate
-    return None
-
-
 def _extract_in_child(stream: BinaryIO, dest_fd: int, limits: ArchiveLimits, run_as: tuple[int, int],
                       label: str) -> None:
-    # A fresh interpreter, not a fork of the worker: a fork would run the worker's at-fork handlers
-    # and could block on locks other threads held (seen: LocalBackend's handler closing a pipe).
-    python = child_python()
-    if python is not None:  # setpriv drops privileges before the interpreter starts
-        prefix = unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS)
-        drop = "-"
-    else:
-        # The checkout (or every interpreter) is out of the sandbox uid's reach, e.g. a clone in /root:
-        # start as root, import what extraction needs, then drop to run_as before reading a byte.
-        prefix, python, drop = [], sys.executable, f"{run_as[0]}:{run_as[1]}"
-    code = (f"import sys; sys.path.insert(0, {_REPO_ROOT!r}); "
-            "from sandboxes.archives import _child_main; raise SystemExit(_child_main())")
-    argv = [*prefix, python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd), drop]
-    result = subprocess.run(argv, stdin=stream, capture_output=True, pass_fds=(dest_fd,), timeout=CHILD_CPU_SECONDS * 2,
-                            check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
-    if result.returncode == _REJECTED_EXIT:
-        raise ArchiveRejected(result.stdout.decode("utf-8", "replace").strip()[:2000])
-    if result.returncode != 0:
-        raise ArchiveRejected(f"{label} could not be extracted (the extractor exited with {result.returncode})")
-
-
-def _privileges_drop(uid: int, gid: int) -> None:
-    """In the extraction child started as root: what ``unprivileged_prefix`` does, from inside.
-
-    Modules that extraction imports lazily are imported first (the interpreter's own files may be out
-    of ``uid``'s reach); then rlimits, an empty capability bounding set, the ids, and no new privileges.
-    Changing every uid away from 0 clears the permitted and effective capabilities."""
-    import ctypes
-    import importlib
-    import resource
-
-    for module in ("gzip", "bz2", "lzma", "encodings.cp437", "encodings.utf_8", "encodings.latin_1"):
-        try:
-            importlib.import_module(module)
-        except ImportError:  # an interpreter built without it cannot open such archives anyway
-            pass
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_capbset_drop, pr_set_no_new_privs = 24, 38
-    for capability in range(64):
-        if libc.prctl(pr_capbset_drop, capability, 0, 0, 0) != 0:
-            break  # EINVAL: past the last capability this kernel knows
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0 or 0 in os.getresuid():
-        raise SystemExit("could not drop privileges")
-
-
-def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_seconds: int) -> list[str]:
-    """argv prefix that runs a command as ``run_as`` with no capabilities, no new privileges and rlimits."""
-    uid, gid = run_as
-    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
-            "--inh-caps=-all", "--bounding-set=-all",
-            "prlimit", f"--as={memory_bytes}", f"--cpu={cpu_seconds}", "--core=0", "--"]
-
-
-def _child_main() -> int:
-    limits = ArchiveLimits(**json.loads(sys.argv[1]))
-    label, dest_fd, drop = sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    if drop != "-":
-        uid, gid = (int(part) for part in drop.split(":"))
-        _privileges_drop(uid, gid)
-    try:
-        with os.fdopen(0, "rb", closefd=False) as stream:
-            _extract_stream(stream, dest_fd, limits, label)
-    except ArchiveRejected as exc:
-        sys.stdout.write(str(exc))
-        return _REJECTED_EXIT
-    return 0
+    # The worker's pre-started unprivileged fork server extracts (sandboxes/extract_server.py says why
+    # neither a fork of the worker nor an interpreter per archive).
+    extract_unprivileged(stream.fileno(), dest_fd, limits=limits, run_as=run_as, label=label)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from sandboxes import proc
+from sandboxes import extract_server, proc
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import COMMAND_ENV, CappedOutput, CoreBackend, CoreSandbox, setup_result_check
 from sandboxes.base import (
@@ -211,6 +211,7 @@ class DockerBackend(CoreBackend):
             ) from None
         for sub in ("snapshots", "sandboxes"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        extract_server.prestart((AGENT_UID, AGENT_UID))  # the first archive snapshot need not wait for it
         self._owner_pid = os.getpid()
         self._owner_start = proc.start_time(self._owner_pid)
         self._warm_pool_start()
@@ -237,13 +238,33 @@ class DockerBackend(CoreBackend):
     def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...]) -> None:
         limits = self.config.setup_limits
         sandbox_id = "dsetup-" + secrets.token_hex(6)
-        container = self._container_start(sandbox_id=sandbox_id, image=image, limits=limits,
-                                          workspace=tree, deadline=time.time() + limits.lifetime_s)
+        # Setup commands write into the tree itself, through an overlay whose upper layer it is (over an
+        # empty lower one) with relative layer paths: a bind of the tree would show its host path in the
+        # container's /proc/self/mountinfo.
+        staging = tree.parent
+        for name in ("setup-empty", "setup-work", "setup-workspace"):
+            (staging / name).mkdir()
+        _mount("overlay", staging / "setup-workspace", "overlay",
+               f"lowerdir=setup-empty,upperdir={tree.name},workdir=setup-work,nosuid,nodev", cwd=staging)
+        try:
+            container = self._container_start(sandbox_id=sandbox_id, image=image, limits=limits,
+                                              workspace=staging / "setup-workspace",
+                                              deadline=time.time() + limits.lifetime_s)
+        except BaseException:
+            self._setup_unmount(staging)
+            raise
         try:
             for command in commands:
                 setup_result_check(command, self._exec(container, command, limits.command_timeout_s))
         finally:
             self._container_remove(container)
+            self._setup_unmount(staging)
+
+    @staticmethod
+    def _setup_unmount(staging: Path) -> None:
+        _umount(staging / "setup-workspace")
+        for name in ("setup-empty", "setup-work", "setup-workspace"):
+            shutil.rmtree(staging / name, ignore_errors=True)
 
     # Sandboxes ----------------------------------------------------------------------------------
 

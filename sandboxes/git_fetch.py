@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sandboxes.archives import unprivileged_prefix
 from sandboxes.base import SnapshotError
+from sandboxes.extract_server import unprivileged_prefix
 from sandboxes.settings import current as current_settings
 
 logger = logging.getLogger(__name__)

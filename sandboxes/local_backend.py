@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandboxes import paths, proc
+from sandboxes import extract_server, paths, proc
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import (
     COMMAND_ENV,
@@ -213,6 +213,8 @@ class LocalBackend(CoreBackend):
                     "sandbox init processes run as an unprivileged host uid, so give it o+x "
                     "(chmod o+x) or set SANDBOX_ROOT elsewhere (unset, it defaults to a traversable place)"
                 )
+        if not self.rootless:
+            extract_server.prestart(self._agent_owner)  # the first archive snapshot need not wait for it
         # Sandboxes left behind by crashed owners would otherwise live until their lifetime ends.
         self.reap_orphans()
         self._reset_process_state()
@@ -251,12 +253,20 @@ class LocalBackend(CoreBackend):
 
     def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
         limits = self.config.setup_limits
+        # The overlay's work directory (beside the tree, same filesystem), owned by the sandbox's root.
+        workdir = tree.parent / "setup-work"
+        workdir.mkdir()
+        os.chown(workdir, *((self.config.uid_base,) * 2 if not self.rootless else (os.geteuid(), os.getegid())))
         sandbox = self._new_sandbox(snapshot=snapshot, limits=limits, workspace_bind=str(tree))
         try:
             for command in commands:
                 setup_result_check(command, sandbox.exec(command))
         finally:
             sandbox.destroy()
+            for leftover in workdir.iterdir():  # overlay leaves an empty, mode-000 "work" directory
+                with contextlib.suppress(OSError):
+                    leftover.chmod(0o700)
+            shutil.rmtree(workdir, ignore_errors=True)
 
     # Sandboxes ----------------------------------------------------------------------------------
 
@@ -292,6 +302,7 @@ class LocalBackend(CoreBackend):
             "sandbox_dir": str(sandbox_dir),
             "lower": snapshot.location,
             "workspace_bind": workspace_bind,
+            "workspace_workdir": str(Path(workspace_bind).parent / "setup-work") if workspace_bind else None,
             "disk_mb": limits.disk_mb,
             "resolv_conf": str(resolv_conf) if limits.network else None,
             "readonly_paths": list(self.config.readonly_paths + self.config.extra_readonly_paths),

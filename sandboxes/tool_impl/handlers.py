@@ -30,6 +30,8 @@ GREP_MAX_RESULTS = 500
 """Upper bound on grep's max_results argument."""
 GREP_MAX_COLUMNS = 300
 """Longer matching lines are shortened by ripgrep to a preview."""
+EDIT_MAX_FILE_BYTES = 8 * 1024 * 1024
+"""edit_file and replace_lines refuse larger files (checked by size, before reading them)."""
 EDIT_HINT_MIN_SIMILARITY = 0.6
 """How close (difflib ratio) the file's most similar lines must be to a missed old_str to be shown."""
 EDIT_HINT_MAX_LINES = 12
@@ -116,41 +118,62 @@ def list_dir(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
     return Outcome(f"{shown}/\n" + "".join(f"  {row}\n" for row in rows), meta={"path": path, "entries": len(rows)})
 
 
-def _line_of(text: str, offset: int) -> int:
-    return text.count("\n", 0, offset) + 1
+def _read_editable(sandbox: Sandbox, path: str, tool: str) -> bytes:
+    """The file's bytes for an edit, refused with a clear message past EDIT_MAX_FILE_BYTES: checked by the
+    directory entry's size before reading (a symlink, or a file growing meanwhile, is refused after reading,
+    bounded by the 64 MiB read limit), so an edit holds at most a few times that limit in host memory."""
+    parent, _, name = path.rpartition("/")
+    try:
+        size = next((entry.size for entry in sandbox.list_dir(parent) if entry.name == name), 0)
+    except SandboxError:
+        size = 0  # read_bytes below names the problem (no such file, a directory, outside the workspace)
+    data = b"" if size > EDIT_MAX_FILE_BYTES else sandbox.read_bytes(path)
+    if size > EDIT_MAX_FILE_BYTES or len(data) > EDIT_MAX_FILE_BYTES:
+        raise ToolFailure(
+            f"{path} is {max(size, len(data))} bytes, over {tool}'s {EDIT_MAX_FILE_BYTES // (1024 * 1024)} MiB "
+            "limit; change it with run_terminal instead (e.g. sed -i, or a python3 script run in the sandbox)"
+        )
+    _decode_text(data[:8192], path)
+    return data
 
 
 def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
+    # Bytes in, bytes out: old_str is searched as UTF-8 bytes, bytes outside the match are written back
+    # untouched, and the whole file is never decoded (only a small file is, for a missed match's hint).
     path = normalize_relative(args["path"])
     old, new = args["old_str"], args["new_str"]
     if old == "":
         raise ToolFailure("old_str is empty; give the exact text to replace (use create_file for new files)")
     if old == new:
         raise ToolFailure("old_str and new_str are identical; nothing would change")
-    text = _decode_text(sandbox.read_bytes(path), path)
+    data = _read_editable(sandbox, path, "edit_file")
+    needle = old.encode("utf-8")
     positions = []
-    start = text.find(old)
-    while start != -1:
+    start = data.find(needle)
+    while start != -1 and len(positions) < 21:
         positions.append(start)
-        start = text.find(old, start + 1)
+        start = data.find(needle, start + 1)
     if not positions:
+        hint = _closest_text_hint(data.decode("utf-8", "replace"), old, path) \
+            if len(data) <= EDIT_HINT_MAX_FILE_BYTES else "Read the file again and copy the text exactly."
         raise ToolFailure(
             f"old_str was found 0 times in {path}; it must match the file exactly once, including "
-            "whitespace and indentation. " + _closest_text_hint(text, old, path)
+            "whitespace and indentation. " + hint
         )
     if len(positions) > 1:
-        lines = ", ".join(str(_line_of(text, p)) for p in positions[:20])
+        total = str(len(positions)) if len(positions) <= 20 else "more than 20"
+        lines = ", ".join(str(data.count(b"\n", 0, p) + 1) for p in positions[:20])
         raise ToolFailure(
-            f"old_str was found {len(positions)} times in {path} (starting at lines {lines}); "
+            f"old_str was found {total} times in {path} (starting at lines {lines}); "
             "include more surrounding lines so it matches exactly once"
         )
     at = positions[0]
-    updated = text[:at] + new + text[at + len(old) :]
-    sandbox.write_bytes(path, updated.encode("utf-8"))
-    first = _line_of(updated, at)
-    snippet = _snippet_of(updated.encode("utf-8"), first, first + new.count("\n"))
-    return Outcome(f"Edited {path}: replaced 1 occurrence at line {_line_of(text, at)}.\n{snippet}",
-                   meta={"path": path, "line": first})
+    line = data.count(b"\n", 0, at) + 1
+    updated = data[:at] + new.encode("utf-8") + data[at + len(needle):]
+    del data
+    sandbox.write_bytes(path, updated)
+    snippet = _snippet_of(updated, line, line + new.count("\n"))
+    return Outcome(f"Edited {path}: replaced 1 occurrence at line {line}.\n{snippet}", meta={"path": path, "line": line})
 
 
 def _closest_text_hint(text: str, old: str, path: str) -> str:
@@ -208,8 +231,7 @@ def replace_lines(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
         raise ToolFailure(f"end_line {end} is before start_line {start}")
     # Bytes and line offsets (numbered as read_file numbers them, at '\n'), never a list of every line;
     # bytes outside the replaced lines are written back untouched.
-    data = sandbox.read_bytes(path)
-    _decode_text(data[:8192], path)
+    data = _read_editable(sandbox, path, "replace_lines")
     total = count_lines(data)
     if end > total:
         raise ToolFailure(

@@ -18,18 +18,38 @@ def number_lines(lines: list[str], first_line: int) -> str:
 
 
 def head_tail(text: str, *, max_lines: int = DISPLAY_MAX_LINES, max_bytes: int = DISPLAY_MAX_BYTES) -> tuple[str, bool]:
-    """Keep the first and last part of ``text`` within both budgets, with a note saying what was cut."""
-    encoded = text.encode("utf-8")
-    lines = text.splitlines(keepends=True)
-    if len(lines) <= max_lines and len(encoded) <= max_bytes:
+    """Keep the first and last part of ``text`` within both budgets, with a note saying what was cut.
+
+    Lines are found with ``str.find``/``rfind`` from either end, never by splitting the whole text: a
+    16 MiB terminal output of 2-byte lines would otherwise become 8 million line objects on the host."""
+    newlines = text.count("\n")
+    line_count = newlines + (0 if not text or text.endswith("\n") else 1)
+    if line_count <= max_lines and len(text) <= max_bytes and len(text.encode("utf-8")) <= max_bytes:
         return text, False
     keep = max(max_lines // 2, 1)
-    head, tail = lines[:keep], lines[-keep:] if len(lines) > keep else []
+    head_end = 0
+    for _ in range(keep):
+        found = text.find("\n", head_end, head_end + max_bytes + 1)
+        if found == -1:
+            head_end = min(len(text), head_end + max_bytes)
+            break
+        head_end = found + 1
+    tail_start = len(text)
+    if line_count > keep:
+        end = len(text) - 1 if text.endswith("\n") else len(text)
+        for _ in range(keep):
+            found = text.rfind("\n", max(0, end - max_bytes - 1), end)
+            if found == -1:
+                tail_start = max(0, end - max_bytes)
+                break
+            tail_start, end = found + 1, found
     budget = max_bytes // 2
-    head_text = "".join(head).encode("utf-8")[:budget].decode("utf-8", "ignore")
-    tail_text = "".join(tail).encode("utf-8")[-budget:].decode("utf-8", "ignore")
-    cut_bytes = len(encoded) - len(head_text.encode("utf-8")) - len(tail_text.encode("utf-8"))
-    cut_lines = text.count("\n") - head_text.count("\n") - tail_text.count("\n")
+    head_text = text[: min(head_end, budget)].encode("utf-8")[:budget].decode("utf-8", "ignore")
+    tail_text = text[max(tail_start, len(text) - budget):].encode("utf-8")[-budget:].decode("utf-8", "ignore") \
+        if tail_start < len(text) else ""
+    total_bytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+    cut_bytes = total_bytes - len(head_text.encode("utf-8")) - len(tail_text.encode("utf-8"))
+    cut_lines = newlines - head_text.count("\n") - tail_text.count("\n")
     if not head_text.endswith("\n"):
         head_text += "\n"
     note = f"[... {max(cut_lines, 0)} lines ({max(cut_bytes, 0)} bytes) cut from the middle ...]\n"
@@ -37,16 +57,18 @@ def head_tail(text: str, *, max_lines: int = DISPLAY_MAX_LINES, max_bytes: int =
 
 
 def diff_sections(diff_text: str) -> dict[str, str]:
-    """Split a git-style diff into {path: section text} using the ``diff --git a/X b/X`` headers."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in diff_text.splitlines(keepends=True):
-        if line.startswith("diff --git a/"):
-            path = line[len("diff --git a/") :].rstrip("\n").split(" b/", 1)[0]
-            current = sections.setdefault(path, [])
-        if current is not None:
-            current.append(line)
-    return {path: "".join(lines) for path, lines in sections.items()}
+    """Split a git-style diff into {path: section text} using the ``diff --git a/X b/X`` headers.
+
+    Sections are slices between header positions (no list of every line: a diff may hold millions)."""
+    header = "diff --git a/"
+    starts = [match.start() for match in re.finditer(r"^diff --git a/", diff_text, re.MULTILINE)]
+    sections: dict[str, str] = {}
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else len(diff_text)
+        line_end = diff_text.find("\n", start, end)
+        path = diff_text[start + len(header): end if line_end == -1 else line_end].split(" b/", 1)[0]
+        sections[path] = sections.get(path, "") + diff_text[start:end]
+    return sections
 
 
 def original_from_diff(current: str, section: str) -> str | None:

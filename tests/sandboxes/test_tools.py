@@ -272,3 +272,24 @@ def test_a_missed_edit_shows_the_most_similar_lines_numbered(sandbox):
     huge = call(sandbox, "edit_file", path="calc.py", old_str="    result = 0" * 80_000, new_str="x")
     assert not huge.ok and "most similar" not in huge.output and time.monotonic() - started < 5
     assert sandbox.read_bytes("calc.py").startswith(b"def total(values):\n    result = 1\n")
+
+
+def test_edit_file_works_on_bytes_and_refuses_big_files_by_size(sandbox):
+    """A big file of short lines is refused before it is read (issue 42: an edit must not pull a whole
+    big file into host memory); a file with invalid UTF-8 keeps every byte outside the edit."""
+    from sandboxes.tool_impl.handlers import EDIT_MAX_FILE_BYTES
+
+    lines = EDIT_MAX_FILE_BYTES // 2 + 1
+    sandbox.exec(f"python3 -c \"open('big.txt', 'w').write('x\\\\n' * {lines})\"; "
+                 "printf 'a\\377b\\nold line\\n\\376\\n' > raw.txt")
+    for name in ("edit_file", "replace_lines"):
+        arguments = {"old_str": "x\nx\n", "new_str": "y\n"} if name == "edit_file" else \
+            {"start_line": 1, "end_line": 1, "new_text": "y"}
+        refused = call(sandbox, name, path="big.txt", **arguments)
+        assert not refused.ok
+        assert f"big.txt is {2 * lines} bytes, over {name}'s 8 MiB limit; change it with run_terminal" in refused.output
+    edited = call(sandbox, "edit_file", path="raw.txt", old_str="old line", new_str="new line")
+    assert edited.ok and "replaced 1 occurrence at line 2" in edited.output
+    assert sandbox.read_bytes("raw.txt") == b"a\xffb\nnew line\n\xfe\n"
+    many = call(sandbox, "edit_file", path="raw.txt", old_str="\n", new_str="")
+    assert not many.ok and "found 3 times in raw.txt (starting at lines 1, 2, 3)" in many.output

@@ -9,6 +9,7 @@ corrupt zips. Every payload runs through ``snapshot_create`` on each backend and
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import secrets
@@ -95,7 +96,9 @@ PAYLOADS = {"zip-dot-chain": zip_dot_chain, "tar-dot-chain": tar_dot_chain,
 
 
 def _assert_nothing_outside(root: Path, marker: str) -> None:
-    found = [str(p) for p in root.rglob(f"{marker}*")]
+    # os.walk, not rglob: /tmp is shared, and a directory vanishing mid-walk must not fail the test.
+    found = [os.path.join(top, name) for top, dirs, files in os.walk(root) for name in dirs + files
+             if name.startswith(marker)]
     assert found == [], f"archive wrote outside its destination: {found}"
 
 
@@ -181,6 +184,27 @@ def test_corrupt_and_lying_zips_raise_archive_rejected(sandbox_backend, tmp_path
         extract_archive(bomb, tmp_path / "out", limits=ArchiveLimits(max_member_bytes=1000, max_total_bytes=4000))
 
 
+def _identity(pid: int) -> dict[str, str]:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: status[key].split() if key in ("Uid", "Gid") else status[key].strip()
+            for key in ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs")}
+
+
+def _assert_unprivileged(pid: int, uid: int) -> None:
+    identity = _identity(pid)
+    assert identity["Uid"] == [str(uid)] * 4 and identity["Gid"] == [str(uid)] * 4, identity
+    assert identity["Groups"] == "" and identity["NoNewPrivs"] == "1", identity
+    assert int(identity["CapEff"], 16) == int(identity["CapPrm"], 16) == int(identity["CapBnd"], 16) == 0, identity
+
+
+def _server_is_unprivileged(uid: int) -> None:
+    from sandboxes import extract_server
+
+    server = extract_server.server_for((uid, uid))
+    _assert_unprivileged(server.process.pid, uid)
+    assert Path(f"/proc/{server.process.pid}/status").stat().st_uid == 0  # not dumpable: /proc owned by root
+
+
 def test_extraction_runs_unprivileged_when_root(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("privilege drop is only meaningful when the worker runs as root")
@@ -188,19 +212,129 @@ def test_extraction_runs_unprivileged_when_root(tmp_path):
     destination = tmp_path / "dest"
     extract_archive(archive, destination, run_as=(54321, 54321))
     assert (destination / "f.txt").stat().st_uid == 54321
+    _server_is_unprivileged(54321)
+
+
+def test_extraction_children_are_unprivileged_and_isolated(tmp_path):
+    """Each archive is extracted by a fork of the unprivileged server: same identity, no root, and the
+    child cannot reach the server's socket (it would receive later requests' descriptors)."""
+    if os.geteuid() != 0:
+        pytest.skip("privilege drop is only meaningful when the worker runs as root")
+    import threading
+    import time
+
+    from sandboxes import extract_server
+
+    class Zeros(io.RawIOBase):
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            buffer[:] = bytes(len(buffer))
+            return len(buffer)
+
+    uid = 54322
+    slow = tmp_path / "slow.tar.gz"
+    with tarfile.open(slow, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("zeros.bin")
+        info.size = 64 << 20
+        tar.addfile(info, io.BufferedReader(Zeros()))
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            extract_archive(slow, tmp_path / "slow-dest", run_as=(uid, uid))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    server = extract_server.server_for((uid, uid))
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 20
+    while worker.is_alive() and not seen and time.monotonic() < deadline:
+        seen = [int(p) for p in Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+                .read_text().split()]
+    worker.join(60)
+    assert not errors, errors
+    assert seen, "no extraction child was seen"
+    for pid in seen:
+        with contextlib.suppress(FileNotFoundError):
+            _assert_unprivileged(pid, uid)
+            socket_inode = os.readlink(f"/proc/{server.process.pid}/fd/{server.process.args[-2]}")
+            held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert socket_inode not in held
+
+
+def test_concurrent_extractions_and_a_dead_server(tmp_path):
+    """Threads extract at once (a threaded worker); a server that died is replaced on the next call."""
+    if os.geteuid() != 0:
+        pytest.skip("the extraction server is only used as root")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandboxes import extract_server
+
+    uid = 54323
+    archives = [_tar(tmp_path / f"a{i}.tar", [_entry("d", tarfile.DIRTYPE), _entry("d/f.txt", data=f"{i}\n".encode())])
+                for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: extract_archive(archives[i], tmp_path / f"out{i}", run_as=(uid, uid)), range(6)))
+    assert [(tmp_path / f"out{i}/d/f.txt").read_text() for i in range(6)] == [f"{i}\n" for i in range(6)]
+    first = extract_server.server_for((uid, uid))
+    first.process.kill()
+    first.process.wait()
+    extract_archive(archives[0], tmp_path / "after-kill", run_as=(uid, uid))
+    assert (tmp_path / "after-kill/d/f.txt").read_text() == "0\n"
+    assert extract_server.server_for((uid, uid)).process.pid != first.process.pid
 
 
 def test_extraction_drops_privileges_itself_when_the_checkout_is_out_of_reach(tmp_path, monkeypatch):
-    """A clone in /root (0700): no interpreter can import the package as the sandbox uid, so the child
-    starts as root and drops to it before reading the archive; never an extraction as root."""
+    """A clone in /root (0700): no interpreter can import the package as the sandbox uid, so the server
+    starts as root and drops to it before reading its socket; never an extraction as root."""
     if os.geteuid() != 0:
         pytest.skip("privilege drop is only meaningful when the worker runs as root")
-    from sandboxes import archives
+    from sandboxes import extract_server
 
-    monkeypatch.setattr(archives, "child_python", lambda: None)
+    monkeypatch.setattr(extract_server, "child_python", lambda: None)
     archive = _tar(tmp_path / "who.tar.gz", [_entry("dir", tarfile.DIRTYPE), _entry("dir/f.txt", data=b"x\n")],
                    mode="w:gz")
     destination = tmp_path / "dest"
     extract_archive(archive, destination, run_as=(54321, 54321))
     assert (destination / "dir" / "f.txt").read_bytes() == b"x\n"
     assert (destination / "dir").stat().st_uid == (destination / "dir" / "f.txt").stat().st_uid == 54321
+    server = extract_server.server_for((54321, 54321))
+    assert server.mode == "self-drop"
+    _assert_unprivileged(server.process.pid, 54321)
+
+
+def test_a_forked_worker_starts_its_own_server(tmp_path):
+    """A prefork pool forks the worker after its backend pre-started a server: the child must not share
+    the parent's socket (it would mix requests), and the parent's server must keep working."""
+    if os.geteuid() != 0:
+        pytest.skip("the extraction server is only used as root")
+    import subprocess
+    import sys
+
+    archive = _tar(tmp_path / "f.tar", [_entry("f.txt", data=b"x\n")])
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+from pathlib import Path
+from sandboxes import extract_server
+from sandboxes.archives import extract_archive
+run_as = (54324, 54324)
+extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'parent-1')!r}), run_as=run_as)
+parent_server = extract_server.server_for(run_as).process.pid
+child = os.fork()
+if child == 0:
+    extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'child')!r}), run_as=run_as)
+    os._exit(0 if extract_server.server_for(run_as).process.pid != parent_server else 3)
+_, status = os.waitpid(child, 0)
+extract_archive(Path({str(archive)!r}), Path({str(tmp_path / 'parent-2')!r}), run_as=run_as)
+assert extract_server.server_for(run_as).process.pid == parent_server
+print("exit", os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "exit 0", done.stderr[-2000:]
+    for name in ("parent-1", "child", "parent-2"):
+        assert (tmp_path / name / "f.txt").stat().st_uid == 54324
