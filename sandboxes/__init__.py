@@ -44,7 +44,7 @@ __all__ = [
     "get_backend",
 ]
 
-BACKEND_NAMES = ("local", "docker")
+BACKEND_NAMES = ("local", "docker", "fleet")
 
 _backends: dict[str, SandboxBackend] = {}
 _backends_lock = threading.Lock()
@@ -73,6 +73,10 @@ def get_backend(name: str | None = None) -> SandboxBackend:
                 from sandboxes.local_backend import LocalBackend
 
                 backend = LocalBackend()
+            elif chosen == "fleet":  # product sandboxes on the Ray fleet's host actors
+                from sandboxes.fleet.backend import FleetBackend
+
+                backend = FleetBackend()
             else:
                 from sandboxes.docker_backend import DockerBackend
 

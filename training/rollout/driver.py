@@ -175,11 +175,14 @@ def run_async_rl(
     fleet, fleet_started = _fleet_start(config) if config.sandbox_hosts else (None, False)
     # A dead actor process is restarted by Ray; the call it was running fails, and the scheduler
     # re-dispatches that slot under a new rollout id instead of scoring it.
+    # SPREAD: on a cluster of several nodes the actors go round the nodes (one node's loss takes a
+    # share of them, which Ray restarts on the others), not all onto the driver's node.
     inference_cls = ray.remote(InferenceServer).options(
-        num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0
+        num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0,
+        scheduling_strategy="SPREAD",
     )
     worker_cls = ray.remote(RolloutServer).options(
-        num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0
+        num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD"
     )
     config_data = asdict(config)
     inference_actors = [
