@@ -39,17 +39,22 @@ def two_asgi_servers(transactional_db):
 
 
 async def _watch(urls: list[str], token: str, connected: threading.Event, timeout: float = 120) -> list[list[dict]]:
-    """One viewer per url; each reads until the final event. Returns every viewer's events."""
+    """One viewer per url; each reads until the task is over. Returns every viewer's events."""
     headers = {**ORIGIN, "Authorization": f"Token {token}"}
     sockets = [await websockets.connect(url, additional_headers=headers) for url in urls]
     connected.set()
 
     async def read(ws) -> list[dict]:
+        # Until the terminal status and every event up to its last_seq (the verification's "tests"
+        # event follows the agent's "final" one).
         events: list[dict] = []
-        while not events or events[-1]["kind"] != "final":
+        last_seq = None
+        while last_seq is None or not events or events[-1]["seq"] < last_seq:
             message = json.loads(await ws.recv())
             if message["type"] == "events":
                 events.extend(message["events"])
+            elif message["type"] == "status" and message["status"] in ("succeeded", "failed", "cancelled"):
+                last_seq = message["last_seq"]
         await ws.close()
         return events
 
