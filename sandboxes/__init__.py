@@ -54,8 +54,9 @@ def get_backend(name: str | None = None) -> SandboxBackend:
 
     configured = current()
     chosen = name or configured.backend
-    if chosen not in BACKEND_NAMES:
-        raise ValueError(f"unknown sandbox backend {chosen!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    names = (*BACKEND_NAMES, "fleet")  # fleet: a client of the fleet's hosts, which run local or docker
+    if chosen not in names:
+        raise ValueError(f"unknown sandbox backend {chosen!r}; choose one of {', '.join(names)}")
     with _backends_lock:
         backend = _backends.get(chosen)
         if backend is None:
@@ -63,6 +64,10 @@ def get_backend(name: str | None = None) -> SandboxBackend:
                 from sandboxes.local_backend import LocalBackend, LocalBackendConfig
 
                 backend = LocalBackend(LocalBackendConfig(root=configured.root))
+            elif chosen == "fleet":  # product sandboxes on the Ray fleet's host actors
+                from sandboxes.fleet.backend import FleetBackend
+
+                backend = FleetBackend()
             else:
                 from sandboxes.docker_backend import DockerBackend, DockerBackendConfig
 

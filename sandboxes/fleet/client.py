@@ -9,8 +9,10 @@ places one ``SandboxHostActor`` on it that claims all of the node's slots. ``Fle
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import time
 from dataclasses import dataclass, field
 
 from sandboxes.base import (
@@ -26,6 +28,8 @@ from sandboxes.base import (
 from sandboxes.fleet.host import SandboxHostActor, SandboxHostConfig, default_host_name
 from sandboxes.fleet.placement import HostLoad, PlacementError, host_pick, placement_candidates
 from sandboxes.settings import current as current_settings
+
+logger = logging.getLogger(__name__)
 
 SLOT_RESOURCE = "sandbox_slots"
 FORWARDED_ENV = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SANDBOX_ROOT", "SANDBOX_IMAGE",
@@ -57,6 +61,8 @@ class FleetConfig:
     """Slots per host that training may not take, kept free for product requests."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for host actors, on top of the forwarded DJANGO/DATABASE/REDIS/SANDBOX variables."""
+    refresh_interval_s: float = 5.0
+    """How often a placing client looks for hosts that joined (new nodes) or died; 0 never does."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "docker"):
@@ -67,14 +73,23 @@ class FleetConfig:
             raise ValueError("FleetConfig.placement_choices must be 0 (every host) or positive")
         if self.product_reserved_slots < 0:
             raise ValueError("FleetConfig.product_reserved_slots must not be negative")
+        if self.refresh_interval_s < 0:
+            raise ValueError("FleetConfig.refresh_interval_s must be 0 (never) or positive")
 
 
 @dataclass(frozen=True)
 class FleetSnapshot:
-    """A snapshot built on every host (backend snapshots are host-local directories)."""
+    """A snapshot built on some hosts (backend snapshots are host-local), and built on others on first use.
+
+    A host that joined after the snapshot was made gets its copy the first time a sandbox is placed
+    there, from ``source``/``image``/``setup_commands``; so does any host missing from ``per_host``.
+    """
 
     key: str
     per_host: dict[str, Snapshot]
+    source: RepoSource | None = None
+    image: str | None = None
+    setup_commands: tuple[str, ...] = ()
 
 
 @dataclass
@@ -86,7 +101,13 @@ class _Host:
 
 
 class Fleet:
-    """Handle on the running host actors. Create with ``Fleet.start``; ``shutdown`` ends every host."""
+    """Handle on the running host actors. Create with ``Fleet.start``; ``shutdown`` ends every host.
+
+    ``refresh`` follows the Ray cluster: hosts of dead nodes (or dead host actors) are dropped, and
+    nodes that joined get a host (``place=True``, the fleet's owner) or are attached to when another
+    process placed one. Placement refreshes by itself every ``refresh_interval_s`` and drops a host
+    whose actor died as soon as a call to it fails, so a lost node stops receiving work at once.
+    """
 
     def __init__(self, config: FleetConfig, hosts: list[_Host]) -> None:
         if not hosts:
@@ -96,39 +117,56 @@ class Fleet:
             )
         self.config = config
         self.hosts = {host.name: host for host in hosts}
+        self.lost: set[str] = set()
+        self._rng = random.Random()
+        self._refreshed_at = time.monotonic()
+
+    def __getstate__(self) -> dict:
+        # A fleet handle travels to rollout workers (Ray pickles it); its random state need not.
+        return {key: value for key, value in self.__dict__.items() if key != "_rng"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
         self._rng = random.Random()
 
-    @classmethod
-    def start(cls, config: FleetConfig | None = None) -> Fleet:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        config = config or FleetConfig()
+    @staticmethod
+    def _host_env(config: FleetConfig) -> dict[str, str]:
         env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
         env.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
         env.setdefault("SANDBOX_ROOT", _configured_sandbox_root())
         env.update(config.env)
-        hosts = []
-        for node in ray.nodes():
-            slots = int(node.get("Resources", {}).get(SLOT_RESOURCE, 0))
-            if not node.get("Alive") or slots < 1:
-                continue
-            node_id = node["NodeID"]
-            name = default_host_name(node_id)
-            host_config = SandboxHostConfig(
-                host_name=name, slots=slots, backend=config.backend,
-                heartbeat_interval_s=config.heartbeat_interval_s, heartbeat_sink=config.heartbeat_sink,
-                admission_timeout_s=config.admission_timeout_s,
-                product_reserved_slots=min(config.product_reserved_slots, slots - 1),
-            )
-            actor = SandboxHostActor.options(
-                name=f"sandbox-host-{node_id[:12]}",
-                namespace=config.namespace,
-                resources={SLOT_RESOURCE: slots},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                runtime_env={"env_vars": env},
-            ).remote(host_config)
-            hosts.append(_Host(name, node_id, slots, actor))
+        return env
+
+    @staticmethod
+    def _host_place(config: FleetConfig, node: dict, env: dict[str, str]) -> _Host:
+        """Start the host actor of one node (all its slots, pinned to it, named after it)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = node["NodeID"]
+        slots = int(node["Resources"][SLOT_RESOURCE])
+        name = default_host_name(node_id)
+        host_config = SandboxHostConfig(
+            host_name=name, slots=slots, backend=config.backend,
+            heartbeat_interval_s=config.heartbeat_interval_s, heartbeat_sink=config.heartbeat_sink,
+            admission_timeout_s=config.admission_timeout_s,
+            product_reserved_slots=min(config.product_reserved_slots, slots - 1),
+        )
+        actor = SandboxHostActor.options(
+            name=host_actor_name(node_id),
+            namespace=config.namespace,
+            resources={SLOT_RESOURCE: slots},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            runtime_env={"env_vars": env},
+        ).remote(host_config)
+        return _Host(name, node_id, slots, actor)
+
+    @classmethod
+    def start(cls, config: FleetConfig | None = None) -> Fleet:
+        import ray
+
+        config = config or FleetConfig()
+        env = cls._host_env(config)
+        hosts = [cls._host_place(config, node, env) for node in _slot_nodes()]
         fleet = cls(config, hosts)
         # Fail here, not on first use, if a host cannot start its backend.
         ray.get([host.actor.load.remote() for host in hosts])
@@ -137,48 +175,109 @@ class Fleet:
     @classmethod
     def connect(cls, config: FleetConfig | None = None) -> Fleet:
         """Attach to host actors another process started (``manage.py fleet_serve``) in this Ray cluster."""
+        config = config or FleetConfig()
+        hosts = [host for node in _slot_nodes() if (host := _host_attach(config, node)) is not None]
+        return cls(config, hosts)
+
+    def refresh(self, *, place: bool = False) -> tuple[list[str], list[str]]:
+        """Follow the cluster: (hosts added, hosts dropped). ``place`` starts hosts on nodes that have none."""
         import ray
 
-        config = config or FleetConfig()
-        hosts = []
-        for node in ray.nodes():
-            if not node.get("Alive") or node.get("Resources", {}).get(SLOT_RESOURCE, 0) < 1:
+        self._refreshed_at = time.monotonic()
+        nodes = {node["NodeID"]: node for node in _slot_nodes()}
+        dropped = [name for name, host in self.hosts.items() if host.node_id not in nodes]
+        for name in dropped:
+            self._drop(name)
+        known = {host.node_id for host in self.hosts.values()}
+        added: list[_Host] = []
+        env = self._host_env(self.config) if place else {}
+        for node_id, node in nodes.items():
+            if node_id in known:
                 continue
+            host = _host_attach(self.config, node)
+            if host is None and place:
+                host = self._host_place(self.config, node, env)
+            if host is not None:
+                added.append(host)
+        ready = []
+        for host in added:
             try:
-                actor = ray.get_actor(f"sandbox-host-{node['NodeID'][:12]}", namespace=config.namespace)
-            except ValueError:
-                continue
-            load = ray.get(actor.load.remote())
-            hosts.append(_Host(load["host_name"], node["NodeID"], load["slots"], actor))
-        return cls(config, hosts)
+                ray.get(host.actor.load.remote(), timeout=120)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # the node went again while its host started; the next refresh retries
+            self.hosts[host.name] = host
+            self.lost.discard(host.name)
+            ready.append(host.name)
+        return ready, dropped
+
+    def _drop(self, name: str, why: BaseException | str = "") -> None:
+        if self.hosts.pop(name, None) is not None:
+            self.lost.add(name)
+            logger.warning("sandbox host %s dropped from placement: %s", name, why or "its node left")
 
     # Snapshots and placement --------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
                         setup_commands: tuple[str, ...] = ()) -> FleetSnapshot:
+        """Build the snapshot on every live host (hosts that join later build it on first use)."""
         import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-        names = list(self.hosts)
-        snapshots = ray.get([
-            self.hosts[name].actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands)
-            for name in names
-        ])
-        return FleetSnapshot(key=snapshots[0].id, per_host=dict(zip(names, snapshots, strict=True)))
+        refs = {name: host.actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands)
+                for name, host in self.hosts.items()}
+        per_host = {}
+        for name, ref in refs.items():
+            try:
+                per_host[name] = ray.get(ref)
+            except (ActorDiedError, ActorUnavailableError) as exc:
+                self._drop(name, exc)
+        if not per_host:
+            raise SandboxGone(f"every sandbox host is lost ({', '.join(sorted(self.lost))})")
+        return FleetSnapshot(key=next(iter(per_host.values())).id, per_host=per_host, source=source,
+                             image=image, setup_commands=tuple(setup_commands))
 
     def _pick_host(self, count: int, purpose: str) -> _Host:
         import ray
 
-        names = placement_candidates(names=list(self.hosts), choices=self.config.placement_choices, rng=self._rng)
+        if self.config.refresh_interval_s and time.monotonic() - self._refreshed_at >= self.config.refresh_interval_s:
+            self.refresh()
+        asked_all = False
         while True:
-            loads = ray.get([self.hosts[name].actor.load.remote() for name in names])
+            if not self.hosts:
+                self.refresh()
+                if not self.hosts:
+                    raise SandboxGone(f"every sandbox host is lost ({', '.join(sorted(self.lost))})")
+            names = list(self.hosts) if asked_all else placement_candidates(
+                names=list(self.hosts), choices=self.config.placement_choices, rng=self._rng)
+            refs = [self.hosts[name].actor.load.remote() for name in names]
+            loads = []
+            for name, ref in zip(names, refs, strict=True):
+                try:
+                    loads.append(HostLoad.from_dict(ray.get(ref)))
+                except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
+                    self._drop(name, exc)  # its node went: never place there again
+            if not loads:
+                continue
             try:
-                best = host_pick(loads=[HostLoad.from_dict(load) for load in loads], count=count, purpose=purpose)
+                best = host_pick(loads=loads, count=count, purpose=purpose)
             except PlacementError:
-                if len(names) == len(self.hosts):
+                if asked_all or len(names) == len(self.hosts):
                     raise
-                names = list(self.hosts)  # the sample held only small hosts: ask them all
+                asked_all = True  # the sample held only small hosts: ask them all
                 continue
             return self.hosts[best.name]
+
+    def _host_snapshot(self, host: _Host, snapshot: FleetSnapshot) -> Snapshot:
+        import ray
+
+        built = snapshot.per_host.get(host.name)
+        if built is None:
+            if snapshot.source is None:
+                raise SandboxError(f"snapshot {snapshot.key} is not on host {host.name} and has no source to build it")
+            built = ray.get(host.actor.snapshot_create.remote(
+                source=snapshot.source, image=snapshot.image, setup_commands=snapshot.setup_commands))
+            snapshot.per_host[host.name] = built
+        return built
 
     def sandbox_create(self, *, snapshot: FleetSnapshot, limits: SandboxLimits, purpose: str = "training",
                        tenant: str = "default") -> FleetSandbox:
@@ -186,24 +285,62 @@ class Fleet:
 
     def sandbox_fork(self, *, snapshot: FleetSnapshot, count: int, limits: SandboxLimits,
                      purpose: str = "training", tenant: str = "default") -> list[FleetSandbox]:
-        """Start ``count`` sandboxes on one host; waits in that host's queue while it is full."""
-        import ray
+        """Start ``count`` sandboxes on one host; waits in that host's queue while it is full.
 
-        host = self._pick_host(count, purpose)
-        host_snapshot = snapshot.per_host[host.name]
-        ids = ray.get(host.actor.fork.remote(snapshot=host_snapshot, count=count, limits=limits,
-                                             purpose=purpose, tenant=tenant))
-        return [FleetSandbox(host=host, sandbox_id=sandbox_id, snapshot=host_snapshot, limits=limits)
-                for sandbox_id in ids]
+        A host found dead on the way (its node left) is dropped and the request placed again on
+        another, so a request is never lost with a host it had not started on.
+        """
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        while True:
+            host = self._pick_host(count, purpose)
+            try:
+                host_snapshot = self._host_snapshot(host, snapshot)
+                ids = ray.get(host.actor.fork.remote(snapshot=host_snapshot, count=count, limits=limits,
+                                                     purpose=purpose, tenant=tenant))
+            except (ActorDiedError, ActorUnavailableError) as exc:
+                self._drop(host.name, exc)
+                continue
+            return [FleetSandbox(host=host, sandbox_id=sandbox_id, snapshot=host_snapshot, limits=limits)
+                    for sandbox_id in ids]
 
     def shutdown(self) -> int:
         """Destroy every sandbox on every host and stop the hosts; returns how many sandboxes went."""
         import ray
 
-        destroyed = sum(ray.get([host.actor.shutdown.remote() for host in self.hosts.values()]))
+        destroyed = 0
         for host in self.hosts.values():
+            try:
+                destroyed += ray.get(host.actor.shutdown.remote())
+            except ray.exceptions.RayError:
+                pass  # its node is gone, and its sandboxes with it
             ray.kill(host.actor)
         return destroyed
+
+
+def host_actor_name(node_id: str) -> str:
+    return f"sandbox-host-{node_id[:12]}"
+
+
+def _slot_nodes() -> list[dict]:
+    """Alive Ray nodes that offer sandbox slots."""
+    import ray
+
+    return [node for node in ray.nodes()
+            if node.get("Alive") and int(node.get("Resources", {}).get(SLOT_RESOURCE, 0)) >= 1]
+
+
+def _host_attach(config: FleetConfig, node: dict) -> _Host | None:
+    """The running host actor of ``node`` (placed by another process), or None when it has none."""
+    import ray
+
+    try:
+        actor = ray.get_actor(host_actor_name(node["NodeID"]), namespace=config.namespace)
+        load = ray.get(actor.load.remote(), timeout=60)
+    except (ValueError, ray.exceptions.RayError, TimeoutError):
+        return None
+    return _Host(load["host_name"], node["NodeID"], load["slots"], actor)
 
 
 class FleetSandbox(Sandbox):

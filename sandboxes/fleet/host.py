@@ -138,6 +138,10 @@ class SandboxHost:
         self._snapshots[snapshot.id] = snapshot
         return snapshot
 
+    async def snapshot_delete(self, snapshot: Snapshot) -> None:
+        self._snapshots.pop(snapshot.id, None)
+        await self._blocking(self.backend.snapshot_delete, snapshot=snapshot)
+
     # Sandboxes ----------------------------------------------------------------------------------
 
     async def create(self, *, snapshot: Snapshot, limits: SandboxLimits, purpose: str = "training",

@@ -404,11 +404,14 @@ class ActorPool:
 
         self.config = config
         self.fleet = fleet
+        # SPREAD: on a cluster of several nodes the actors go round the nodes (one node's loss takes a
+        # share of them, which Ray restarts on the others), not all onto the driver's node.
         inference_cls = ray.remote(InferenceServer).options(
-            num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0
+            num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0,
+            scheduling_strategy="SPREAD",
         )
         worker_cls = ray.remote(RolloutServer).options(
-            num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0
+            num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD"
         )
         self.inference_actors = [
             inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint)

@@ -14,8 +14,8 @@ from webapp.fleet.services import fleet_history_prune, hosts_mark_lost
 
 class Command(BaseCommand):
     help = (
-        "Start one sandbox host per Ray node (capacity: the node's sandbox_slots resource), then watch "
-        "heartbeats and mark silent hosts lost until interrupted."
+        "Start one sandbox host per Ray node (capacity: the node's sandbox_slots resource), place one on "
+        "every node that joins later, and mark silent hosts lost until interrupted."
     )
 
     def add_arguments(self, parser):
@@ -59,6 +59,12 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         ticks = 0
         while not stop.wait(1.0):
+            # Nodes that joined get a host; hosts of nodes that left stop being offered work.
+            added, dropped = fleet.refresh(place=True)
+            for name in added:
+                self.stdout.write(f"host {name} joined ({fleet.hosts[name].slots} slots)")
+            for name in dropped:
+                self.stderr.write(f"host {name} left the cluster")
             for name in hosts_mark_lost(stale_after_s=options["lost_after"]):
                 self.stderr.write(f"host {name} lost: no heartbeat for {options['lost_after']:g}s")
             ticks += 1
