@@ -285,7 +285,8 @@ class DockerBackend(SandboxBackend):
     # Snapshots ----------------------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> Snapshot:
+                        setup_commands: tuple[str, ...] | list[str] = (),
+                        setup_limits: SandboxLimits | None = None) -> Snapshot:
         if not isinstance(source, RepoSource):
             raise TypeError("source must be a RepoSource")
         commands = tuple(setup_commands)
@@ -304,7 +305,7 @@ class DockerBackend(SandboxBackend):
             self._materialize(source, tree)
             self._chown_tree(tree)
             if commands:
-                self._run_setup(tree, chosen_image, commands)
+                self._run_setup(tree, chosen_image, commands, setup_limits or self.config.setup_limits)
             (staging / "snapshot.json").write_text(json.dumps({
                 "id": snapshot_id, "source": [source.kind, source.location, source.ref],
                 "image": chosen_image, "setup_commands": list(commands),
@@ -347,8 +348,7 @@ class DockerBackend(SandboxBackend):
                 os.chown(os.path.join(dirpath, name), AGENT_UID, AGENT_UID, follow_symlinks=False)
         os.chmod(tree, 0o755)
 
-    def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...]) -> None:
-        limits = self.config.setup_limits
+    def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...], limits: SandboxLimits) -> None:
         sandbox_id = "dsetup-" + secrets.token_hex(6)
         container = self._container_start(sandbox_id=sandbox_id, image=image, limits=limits,
                                           workspace=tree, deadline=time.time() + limits.lifetime_s)

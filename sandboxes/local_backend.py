@@ -356,7 +356,8 @@ class LocalBackend(SandboxBackend):
     # Snapshots ----------------------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> Snapshot:
+                        setup_commands: tuple[str, ...] | list[str] = (),
+                        setup_limits: SandboxLimits | None = None) -> Snapshot:
         if not isinstance(source, RepoSource):
             raise TypeError("source must be a RepoSource")
         commands = tuple(setup_commands)
@@ -376,7 +377,7 @@ class LocalBackend(SandboxBackend):
                 location=str(final / "tree"),
             )
             if commands:
-                self._run_setup(snapshot, tree, commands)
+                self._run_setup(snapshot, tree, commands, setup_limits or self.config.setup_limits)
             (staging / "snapshot.json").write_text(json.dumps({
                 "id": snapshot_id, "source": [source.kind, source.location, source.ref],
                 "setup_commands": list(commands), "created_at": snapshot.created_at,
@@ -410,8 +411,7 @@ class LocalBackend(SandboxBackend):
                 os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
         os.chmod(tree, 0o755)
 
-    def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
-        limits = self.config.setup_limits
+    def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...], limits: SandboxLimits) -> None:
         sandbox = self._new_sandbox(snapshot=snapshot, limits=limits, workspace_bind=str(tree))
         try:
             for command in commands:

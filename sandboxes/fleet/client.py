@@ -161,12 +161,13 @@ class Fleet:
     # Snapshots and placement --------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] = ()) -> FleetSnapshot:
+                        setup_commands: tuple[str, ...] = (), setup_limits: SandboxLimits | None = None) -> FleetSnapshot:
         import ray
 
         names = list(self.hosts)
         snapshots = ray.get([
-            self.hosts[name].actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands)
+            self.hosts[name].actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands,
+                                                         setup_limits=setup_limits)
             for name in names
         ])
         return FleetSnapshot(key=snapshots[0].id, per_host=dict(zip(names, snapshots, strict=True)))

@@ -24,6 +24,8 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
 STATUS_FILE = "driver_status.json"
+TASKS_FILE = "tasks.jsonl"
+"""A mined task set's train-split tasks (CodingTask JSON lines), written by the web app at launch."""
 TRACES_DIR = "traces"
 
 
