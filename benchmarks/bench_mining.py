@@ -76,6 +76,7 @@ def bench_project(spec: str, args) -> dict:
     expert_started = time.monotonic()
     solved = sum(expert_solves(backend=backend, prepared=prepared, task=task) for task in heldout)
     backend.snapshot_delete(snapshot=prepared.snapshot)
+    demo = demo_model_rate(heldout[: args.demo_tasks]) if args.demo_tasks and heldout else None
     baseline = prepared.recipe.baseline
     return {
         "project": spec, "setup_s": round(setup_s - baseline["duration_s"], 1), "baseline_s": baseline["duration_s"],
@@ -88,8 +89,21 @@ def bench_project(spec: str, args) -> dict:
         "validated_per_cpu_minute": round(len(result.tasks) / cpu_minutes, 2) if cpu_minutes else None,
         "heldout_tasks": len(heldout), "expert_heldout_solve_rate": round(solved / len(heldout), 3) if heldout else None,
         "expert_s": round(time.monotonic() - expert_started, 1), "stopped": result.stopped,
+        "demo_model_heldout_pass_at_1": demo,
         "rejected": dict(result.rejected.most_common()),
     }
+
+
+def demo_model_rate(tasks) -> dict:
+    """pass@1 of the demo model (models/demo) on the given held-out tasks, through run_benchmark."""
+    from training.bench.runner import BenchConfig, run_benchmark
+
+    config = BenchConfig(suite="taskset-0-heldout", policy=f"checkpoint:{ROOT / 'models' / 'demo'}", attempts=1,
+                         max_turns=6, temperature=0.0, concurrency=1, wall_time_s=300)
+    started = time.monotonic()
+    summary = run_benchmark(config=config, tasks=list(tasks))
+    return {"tasks": len(tasks), "pass_at_1": summary["pass_at_1"], "infra_failures": summary["infrastructure_failures"],
+            "wall_s": round(time.monotonic() - started, 1)}
 
 
 def main() -> None:
@@ -99,6 +113,8 @@ def main() -> None:
     parser.add_argument("--max-tasks", type=int, default=60)
     parser.add_argument("--budget-minutes", type=float, default=30.0)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--demo-tasks", type=int, default=0,
+                        help="Also run the demo model (models/demo) on this many held-out tasks (0: skip).")
     args = parser.parse_args()
     for spec in args.projects:
         load_before = os.getloadavg()

@@ -18,8 +18,8 @@ def test_environment_records_baseline_and_mining_validates_tasks(small_repositor
     baseline = prepared.recipe.baseline
     assert len(baseline["passed"]) == 8 and not baseline["failed"] and baseline["duration_s"] > 0
     result = mine_repository_tasks(backend=backend, prepared=prepared, repo_label="calc",
-                                   config=MiningConfig(max_candidates=40, max_tasks=12, seed=1))
-    assert result.proposed["history"] == 2 and result.tried >= len(result.tasks) >= 6
+                                   config=MiningConfig(max_candidates=14, max_tasks=6, seed=1, expert_check=False))
+    assert result.proposed["history"] == 2 and result.tried >= len(result.tasks) >= 4
     history = [t for t in result.tasks if t.metadata["source"] == "history"]
     assert {t.fail_to_pass for t in history} >= {("tests.test_ops.OpsTest.test_clamp_high",)}
     for task in result.tasks:
@@ -30,7 +30,6 @@ def test_environment_records_baseline_and_mining_validates_tasks(small_repositor
     assert {t.split for t in result.tasks} == {"train", "heldout"}
     heldout_files = {t.solution.path for t in result.tasks if t.split == "heldout"}
     assert heldout_files.isdisjoint({t.solution.path for t in result.tasks if t.split == "train"})
-    assert all(t.metadata["expert_solved"] for t in result.tasks)
     assert sum(result.rejected.values()) + len(result.tasks) == result.tried
 
 
@@ -57,3 +56,13 @@ def test_bug_report_leaves_out_lines_with_the_fixed_text():
     output = "E   AssertionError: return high != 3\nValueError: boom\n"
     report = bug_report(repo_label="r", command="pytest", output=output, failing=["t::a"], hidden=("return high",))
     assert "return high" not in report and "ValueError: boom" in report and "`t::a`" in report
+
+
+def test_pytest_output_statuses_and_counts_with_and_without_the_rule():
+    from training.tasks.testoutput import parse_test_output
+
+    quiet = "..F\nPASSED t.py::a\nPASSED t.py::C::b\nFAILED t.py::c - assert 1 == 2\nERROR t.py::d\n2 failed, 2 passed in 0.1s\n"
+    statuses, ran = parse_test_output(quiet)
+    assert ran == 4 and statuses == {"t.py::a": "ok", "t.py::C::b": "ok", "t.py::c": "FAIL", "t.py::d": "ERROR"}
+    assert parse_test_output("PASSED t.py::a\n==== 1 passed, 1 warning in 2.00s ====\n") == ({"t.py::a": "ok"}, 1)
+    assert parse_test_output("collected 0 items\n", runner="pytest") == ({}, None)

@@ -17,7 +17,9 @@ _PYTEST_WORDS = {
     "PASSED": "ok", "FAILED": "FAIL", "ERROR": "ERROR", "XFAIL": "expected failure",
     "XPASS": "unexpected success", "SKIPPED": "skipped",
 }
-_PYTEST_SUMMARY = re.compile(r"^=+ .*\b(passed|failed|error|errors|skipped|no tests ran)\b.* in [\d.]+s", re.M)
+# The final line: "=== 3 passed, 1 failed in 0.12s ===", or without the rule under -q ("3 passed in 0.12s").
+_PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)|"
+                             r"no tests ran)\b.* in [\d.]+s\b")
 _PYTEST_COUNT = re.compile(r"(?P<count>\d+) (?P<what>passed|failed|errors?|xfailed|xpassed|skipped)")
 PASSING = frozenset({"ok", "skipped", "expected failure"})
 """Statuses that count as a test not failing."""
@@ -36,10 +38,10 @@ def parse_pytest_output(text: str) -> tuple[dict[str, str], int | None]:
             # A test that failed and then errored in teardown keeps its failure.
             if statuses.get(test_id) not in ("FAIL",):
                 statuses[test_id] = word
-    summaries = _PYTEST_SUMMARY.findall(text)
+    summaries = [line for line in text.splitlines() if _PYTEST_SUMMARY.match(line)]
     if not summaries:
         return statuses, None
-    last = [line for line in text.splitlines() if _PYTEST_SUMMARY.match(line)][-1]
+    last = summaries[-1]
     counts = {m.group("what"): int(m.group("count")) for m in _PYTEST_COUNT.finditer(last)}
     ran = sum(counts.get(key, 0) for key in ("passed", "failed", "error", "errors", "xfailed", "xpassed"))
     return statuses, ran
