@@ -50,6 +50,13 @@ def test_setup_failures_name_their_step(tmp_path):
     failure = environment_prepare(backend=backend, source=RepoSource(kind="path", location=str(never)),
                                   budget=SetupBudget(test_timeout_s=2))
     assert failure.stage == "test" and "ran past 2s" in failure.reason
+    from training.tasks.autoinstall import InstallRecipe
+
+    slow = InstallRecipe(setup_commands=("sleep 30",), test_command="python3 -m unittest -v", runner="unittest",
+                         detected_from=("edited",))
+    failure = environment_prepare(backend=backend, source=RepoSource(kind="path", location=str(never)), recipe=slow,
+                                  budget=SetupBudget(setup_timeout_s=2))
+    assert failure.stage == "install" and "exceeded its budget" in failure.reason and "sleep 30" in failure.log
 
 
 def test_bug_report_leaves_out_lines_with_the_fixed_text():

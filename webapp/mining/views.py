@@ -13,6 +13,7 @@ from webapp.agents import selectors as agent_selectors
 from webapp.agents.models import Repository
 from webapp.core.forms import form_add_service_error
 from webapp.core.selectors import owned_get_for_change
+from webapp.experiments.models import RepositoryRecipe
 from webapp.mining import selectors, services
 from webapp.mining.forms import MineForm, RecipeForm
 
@@ -20,7 +21,7 @@ from webapp.mining.forms import MineForm, RecipeForm
 @login_required
 def mining_home(request):
     repositories = list(agent_selectors.repository_list(user=request.user))
-    recipes = {r.repository_id: r for r in services.RepositoryRecipe.objects.filter(repository__in=repositories)}
+    recipes = {r.repository_id: r for r in RepositoryRecipe.objects.filter(repository__in=repositories)}
     rows = [(repo, recipes.get(repo.pk)) for repo in repositories]
     return render(request, "mining/home.html", {"rows": rows, "task_sets": selectors.task_set_list(user=request.user)[:100]})
 
