@@ -189,3 +189,24 @@ def test_edited_recipe_and_bad_input(owner, tmp_path, settings, api_client_for, 
     assert task_set.tasks.count() == 0
     assert "unknown mining settings" in api.post("/api/task-sets/", {
         "repository_id": repository.pk, "name": "x", "settings": {"bogus": 1}}, format="json").content.decode()
+
+
+def test_product_tasks_on_a_repository_reuse_its_network_recipe(owner, tmp_path):
+    from webapp.agents import verify
+    from webapp.agents.models import AgentTask, Repository
+    from webapp.experiments.models import RepositoryRecipe
+    from webapp.mining.services import recipe_snapshot_setup
+
+    repository = Repository.objects.create(owner=owner, name="calc", kind="path", location=str(tmp_path))
+    recipe = RepositoryRecipe.objects.create(repository=repository, status="ready", recipe={
+        "runner": "pytest", "setup_commands": ["python3 -m pip install --target .flowstate/site pytest"],
+        "test_command": "python3 -m pytest -rA", "network": True})
+    commands, limits = recipe_snapshot_setup(repository_id=repository.pk)
+    assert commands == ("python3 -m pip install --target .flowstate/site pytest",) and limits.network
+    task = AgentTask(owner=owner, repository=repository, repo_kind="path", repo_location=str(tmp_path))
+    plan = verify._plan(task=task, sandbox=None)
+    assert plan.setup_commands == () and plan.source == "recipe"  # already in the task's snapshot
+    recipe.recipe = {**recipe.recipe, "network": False}
+    recipe.save()
+    assert recipe_snapshot_setup(repository_id=repository.pk) == ((), None)
+    assert verify._plan(task=task, sandbox=None).setup_commands == tuple(recipe.recipe["setup_commands"])

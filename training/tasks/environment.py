@@ -53,7 +53,7 @@ class _Log:
         return joined if len(joined) <= LOG_MAX_CHARS else "[earlier log dropped]\n" + joined[-LOG_MAX_CHARS:]
 
 
-def _setup_limits(budget: SetupBudget):
+def setup_limits(budget: SetupBudget):
     from sandboxes.base import SandboxLimits
 
     return SandboxLimits(
@@ -143,7 +143,7 @@ def environment_prepare(
     started = time.monotonic()
     try:
         snapshot = backend.snapshot_create(source=source, setup_commands=recipe.setup_commands,
-                                           setup_limits=_setup_limits(budget))
+                                           setup_limits=setup_limits(budget))
     except (SnapshotError, BackendUnavailable) as error:
         log.add(f"setup failed after {time.monotonic() - started:.1f}s:\n{error}")
         over = "timed out" in str(error) or "No space left" in str(error) or "Disk quota" in str(error)

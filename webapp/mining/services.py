@@ -39,6 +39,21 @@ def setup_budget():
                        setup_disk_mb=settings.REPO_SETUP_DISK_MB, test_timeout_s=settings.REPO_TEST_TIMEOUT_S)
 
 
+def recipe_snapshot_setup(*, repository_id: int | None) -> tuple[tuple[str, ...], object]:
+    """(setup commands, setup limits) for a product task's snapshot: a ready recipe whose setup downloads is
+    run when the snapshot is built, with the network on for that phase only; otherwise nothing (an offline
+    recipe's commands run at verification, webapp.agents.verify)."""
+    if repository_id is None:
+        return (), None
+    ready = RepositoryRecipe.objects.filter(repository_id=repository_id, status=RepositoryRecipe.Status.READY).first()
+    recipe = ready.recipe if ready else {}
+    if not recipe.get("network") or not recipe.get("setup_commands"):
+        return (), None
+    from training.tasks.environment import setup_limits
+
+    return tuple(recipe["setup_commands"]), setup_limits(setup_budget())
+
+
 def recipe_edited_parse(*, setup_commands: str, test_command: str, runner: str) -> dict:
     """A user-written recipe (setup commands one per line) checked by InstallRecipe's own rules."""
     from training.tasks.autoinstall import InstallError, InstallRecipe
