@@ -205,9 +205,17 @@ def history_candidates(*, sandbox, files: dict[str, str], commits: int) -> list[
 def split_units(candidates: list[Candidate], heldout_percent: int) -> tuple[bool, dict[str, str]]:
     """(by file?, unit -> "train"/"heldout"); units are files, or functions when one file has candidates."""
     by_file = len({c.path for c in candidates}) >= 2
-    units = sorted({_unit(c, by_file) for c in candidates}, key=lambda u: hashlib.sha256(u.encode()).hexdigest())
-    held = math.ceil(len(units) * heldout_percent / 100) if len(units) >= 2 and heldout_percent else 0
-    return by_file, {unit: ("heldout" if index < held else "train") for index, unit in enumerate(units)}
+    sizes = Counter(_unit(c, by_file) for c in candidates)
+    units = sorted(sizes, key=lambda u: hashlib.sha256(u.encode()).hexdigest())
+    # Units in hash order join the held-out split until it holds heldout_percent of the candidates, so a
+    # unit with many mutation sites does not tilt the share; the last unit always stays in train.
+    split, held = {}, 0
+    target = math.ceil(sum(sizes.values()) * heldout_percent / 100)
+    for index, unit in enumerate(units):
+        heldout = held < target and index < len(units) - 1
+        split[unit] = "heldout" if heldout else "train"
+        held += sizes[unit] if heldout else 0
+    return by_file, split
 
 
 def _unit(candidate: Candidate, by_file: bool) -> str:
