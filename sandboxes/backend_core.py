@@ -194,13 +194,15 @@ class CoreBackend(SandboxBackend):
         return image
 
     @abc.abstractmethod
-    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
+    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...],
+                        limits: SandboxLimits) -> None:
         """Run the setup commands over ``tree`` (the snapshot's files before they are frozen)."""
 
     # Snapshots ----------------------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> Snapshot:
+                        setup_commands: tuple[str, ...] | list[str] = (),
+                        setup_limits: SandboxLimits | None = None) -> Snapshot:
         if not isinstance(source, RepoSource):
             raise TypeError("source must be a RepoSource")
         commands = tuple(setup_commands)
@@ -219,7 +221,7 @@ class CoreBackend(SandboxBackend):
             snapshot = Snapshot(id=snapshot_id, backend=self.name, source=source, image=chosen_image,
                                 setup_commands=commands, location=str(final / "tree"))
             if commands:
-                self._snapshot_setup(snapshot, tree, commands)
+                self._snapshot_setup(snapshot, tree, commands, setup_limits or self.config.setup_limits)
             (staging / "snapshot.json").write_text(json.dumps({
                 "id": snapshot_id, "source": [source.kind, source.location, source.ref], "image": chosen_image,
                 "setup_commands": list(commands), "created_at": snapshot.created_at,

@@ -211,9 +211,13 @@ class SandboxBackend(abc.ABC):
 
     @abc.abstractmethod
     def snapshot_create(
-        self, *, source: RepoSource, image: str | None = None, setup_commands: tuple[str, ...] | list[str] = ()
+        self, *, source: RepoSource, image: str | None = None, setup_commands: tuple[str, ...] | list[str] = (),
+        setup_limits: SandboxLimits | None = None,
     ) -> Snapshot:
-        """Materialise ``source``, run ``setup_commands`` once over it, and freeze the result."""
+        """Materialise ``source``, run ``setup_commands`` once over it, and freeze the result.
+
+        ``setup_limits`` replaces the backend's setup limits for this snapshot (e.g. a setup phase with
+        the network on and its own time and disk budget); the sandboxes made from it get their own."""
 
     @abc.abstractmethod
     def sandbox_create(self, *, snapshot: Snapshot, limits: SandboxLimits) -> Sandbox:

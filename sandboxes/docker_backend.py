@@ -224,8 +224,9 @@ class DockerBackend(CoreBackend):
             self._require_image(chosen_image)
         return chosen_image
 
-    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
-        self._run_setup(tree, snapshot.image or self.image, commands)
+    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...],
+                        limits: SandboxLimits) -> None:
+        self._run_setup(tree, snapshot.image or self.image, commands, limits)
 
     def _require_image(self, image: str) -> None:
         from docker.errors import ImageNotFound
@@ -235,8 +236,7 @@ class DockerBackend(CoreBackend):
         except ImageNotFound:
             raise SnapshotError(f"image {image} is not present on this Docker engine (no registry is reachable)") from None
 
-    def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...]) -> None:
-        limits = self.config.setup_limits
+    def _run_setup(self, tree: Path, image: str, commands: tuple[str, ...], limits: SandboxLimits) -> None:
         sandbox_id = "dsetup-" + secrets.token_hex(6)
         # Setup commands write into the tree itself, through an overlay whose upper layer it is (over an
         # empty lower one) with relative layer paths: a bind of the tree would show its host path in the

@@ -248,11 +248,11 @@ class LocalBackend(CoreBackend):
 
     # Snapshots ----------------------------------------------------------------------------------
 
-    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
-        self._run_setup(snapshot, tree, commands)
+    def _snapshot_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...],
+                        limits: SandboxLimits) -> None:
+        self._run_setup(snapshot, tree, commands, limits)
 
-    def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...]) -> None:
-        limits = self.config.setup_limits
+    def _run_setup(self, snapshot: Snapshot, tree: Path, commands: tuple[str, ...], limits: SandboxLimits) -> None:
         # The overlay's work directory (beside the tree, same filesystem), owned by the sandbox's root.
         workdir = tree.parent / "setup-work"
         workdir.mkdir()

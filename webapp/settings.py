@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "webapp.agents",
     "webapp.fleet",
     "webapp.experiments",
+    "webapp.mining",
 ]
 
 MIDDLEWARE = [
@@ -175,6 +176,7 @@ CELERY_TASK_ROUTES = {
     "agents.*": {"queue": "agents"},
     "experiments.*": {"queue": "experiments"},
     "core.*": {"queue": "maintenance"},
+    "mining.*": {"queue": "maintenance"},
 }
 
 CHANNEL_LAYERS = {
@@ -216,6 +218,13 @@ if AGENT_STALE_AFTER_S <= AGENT_HEARTBEAT_S:
 AGENT_MAX_ATTEMPTS = env_int("AGENT_MAX_ATTEMPTS", 2, minimum=1)
 # Verified results: the repository's tests run after the agent stops, for at most this long.
 AGENT_VERIFY_TIMEOUT_S = env_int("AGENT_VERIFY_TIMEOUT_S", 300, minimum=10)
+# Environment setup of registered repositories (webapp.mining, training.tasks.environment): the setup phase
+# may reach the package index; test runs never have network.
+REPO_SETUP_NETWORK = env_bool("REPO_SETUP_NETWORK", default=True)
+REPO_SETUP_TIMEOUT_S = env_int("REPO_SETUP_TIMEOUT_S", 600, minimum=10, maximum=7200)
+REPO_SETUP_DISK_MB = env_int("REPO_SETUP_DISK_MB", 2048, minimum=64, maximum=65536)
+REPO_TEST_TIMEOUT_S = env_int("REPO_TEST_TIMEOUT_S", 600, minimum=5, maximum=7200)
+MINING_MAX_CANDIDATES = env_int("MINING_MAX_CANDIDATES", 2000, minimum=1, maximum=100_000)
 # How often each worker's sweeper looks for queued tasks without a message and stale running ones,
 # and how long a queued task may lack a message before it is sent again (covers the commit->send gap).
 AGENT_SWEEP_S = env_int("AGENT_SWEEP_S", max(2, AGENT_STALE_AFTER_S // 2), minimum=1)

@@ -54,10 +54,11 @@ class FleetBackend(SandboxBackend):
             return self._fleet
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] | list[str] = ()) -> FleetSnapshot:
+                        setup_commands: tuple[str, ...] | list[str] = (),
+                        setup_limits: SandboxLimits | None = None) -> FleetSnapshot:
         """A snapshot that is built on the host its sandbox is placed on (see ``sandbox_create``)."""
         return FleetSnapshot(key=f"fleet-{uuid.uuid4().hex[:16]}", per_host={}, source=source, image=image,
-                             setup_commands=tuple(setup_commands))
+                             setup_commands=tuple(setup_commands), setup_limits=setup_limits)
 
     def sandbox_create(self, *, snapshot: FleetSnapshot, limits: SandboxLimits) -> FleetSandbox:
         return self.sandbox_fork(snapshot=snapshot, count=1, limits=limits)[0]

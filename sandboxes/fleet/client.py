@@ -82,7 +82,8 @@ class FleetSnapshot:
     """A snapshot built on some hosts (backend snapshots are host-local), and built on others on first use.
 
     A host that joined after the snapshot was made gets its copy the first time a sandbox is placed
-    there, from ``source``/``image``/``setup_commands``; so does any host missing from ``per_host``.
+    there, from ``source``/``image``/``setup_commands``/``setup_limits``; so does any host missing from
+    ``per_host``.
     """
 
     key: str
@@ -90,6 +91,7 @@ class FleetSnapshot:
     source: RepoSource | None = None
     image: str | None = None
     setup_commands: tuple[str, ...] = ()
+    setup_limits: SandboxLimits | None = None
 
 
 @dataclass
@@ -218,12 +220,13 @@ class Fleet:
     # Snapshots and placement --------------------------------------------------------------------
 
     def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                        setup_commands: tuple[str, ...] = ()) -> FleetSnapshot:
+                        setup_commands: tuple[str, ...] = (), setup_limits: SandboxLimits | None = None) -> FleetSnapshot:
         """Build the snapshot on every live host (hosts that join later build it on first use)."""
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-        refs = {name: host.actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands)
+        refs = {name: host.actor.snapshot_create.remote(source=source, image=image, setup_commands=setup_commands,
+                                                        setup_limits=setup_limits)
                 for name, host in self.hosts.items()}
         per_host = {}
         for name, ref in refs.items():
@@ -234,7 +237,7 @@ class Fleet:
         if not per_host:
             raise SandboxGone(f"every sandbox host is lost ({', '.join(sorted(self.lost))})")
         return FleetSnapshot(key=next(iter(per_host.values())).id, per_host=per_host, source=source,
-                             image=image, setup_commands=tuple(setup_commands))
+                             image=image, setup_commands=tuple(setup_commands), setup_limits=setup_limits)
 
     def _pick_host(self, count: int, purpose: str) -> _Host:
         import ray
@@ -275,7 +278,8 @@ class Fleet:
             if snapshot.source is None:
                 raise SandboxError(f"snapshot {snapshot.key} is not on host {host.name} and has no source to build it")
             built = ray.get(host.actor.snapshot_create.remote(
-                source=snapshot.source, image=snapshot.image, setup_commands=snapshot.setup_commands))
+                source=snapshot.source, image=snapshot.image, setup_commands=snapshot.setup_commands,
+                setup_limits=snapshot.setup_limits))
             snapshot.per_host[host.name] = built
         return built
 

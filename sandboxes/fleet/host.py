@@ -132,9 +132,9 @@ class SandboxHost:
     # Snapshots ----------------------------------------------------------------------------------
 
     async def snapshot_create(self, *, source: RepoSource, image: str | None = None,
-                              setup_commands: tuple[str, ...] = ()) -> Snapshot:
+                              setup_commands: tuple[str, ...] = (), setup_limits: SandboxLimits | None = None) -> Snapshot:
         snapshot = await self._blocking(self.backend.snapshot_create, source=source, image=image,
-                                        setup_commands=tuple(setup_commands))
+                                        setup_commands=tuple(setup_commands), setup_limits=setup_limits)
         self._snapshots[snapshot.id] = snapshot
         return snapshot
 

@@ -82,7 +82,7 @@ class DirectoryBackend(SandboxBackend):
         self.base = base
         self.counter = 0
 
-    def snapshot_create(self, *, source: RepoSource, image=None, setup_commands=()) -> Snapshot:
+    def snapshot_create(self, *, source: RepoSource, image=None, setup_commands=(), setup_limits=None) -> Snapshot:
         self.counter += 1
         location = self.base / f"snapshot-{self.counter}"
         shutil.copytree(source.location, location)

@@ -8,13 +8,8 @@ import pytest
 
 from sandboxes import get_backend
 from sandboxes.base import RepoSource
-from training.tasks.autoinstall import (
-    InstallError,
-    InstallFailure,
-    InstallRecipe,
-    detect_recipe,
-    repository_auto_install,
-)
+from training.tasks.autoinstall import InstallError, InstallFailure, InstallRecipe, detect_recipe
+from training.tasks.environment import repository_auto_install
 
 TEST_FILE = "import unittest\nfrom adder import add\n\n\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n"
 
@@ -71,7 +66,8 @@ def test_repository_without_tests_fails_detection(tmp_path):
         detect_recipe({"pyproject.toml": "[tool"}, ["pyproject.toml", "test_x.py"])
 
 
-def test_recipe_is_stored_for_a_registered_repository(owner, tmp_path):
+def test_recipe_is_stored_for_a_registered_repository(owner, tmp_path, settings):
+    settings.REPO_SETUP_NETWORK = False
     from webapp.agents.models import Repository
     from webapp.experiments.services import repository_recipe_detect
 

@@ -33,6 +33,8 @@ choosing among checkpoints on it leaves the held-out suite an unbiased test."""
 _SUITE_SEEDS = {"train": ("train", 0), "heldout": ("heldout", 0), "validation": ("heldout", VALIDATION_START)}
 """Suite name -> (toy split, first task index) its tasks come from."""
 _SUITE = re.compile(rf"^toy-(?P<split>{'|'.join(_SUITE_SEEDS)})-(?P<count>\d+)$")
+TASKSET_SUITE = re.compile(r"^taskset-(?P<id>\d{1,18})-(?P<split>train|heldout)$")
+"""A mined task set's split (webapp.mining); its tasks come from the database and are passed to run_benchmark."""
 
 
 class BenchConfigError(ValueError):
@@ -45,7 +47,8 @@ class BenchConfig:
 
     suite: str
     """Task suite: "toy-heldout-N" (held-out toy tasks), "toy-validation-N" (held-out-split tasks that no
-    toy-heldout-N contains, for choosing among checkpoints) or "toy-train-N"."""
+    toy-heldout-N contains, for choosing among checkpoints), "toy-train-N", or "taskset-ID-heldout" /
+    "taskset-ID-train" (a mined task set's split; the caller passes its tasks to run_benchmark)."""
     policy: str
     """"scripted", "checkpoint:PATH" or "openai:MODEL@BASE_URL"."""
     attempts: int = 1
@@ -77,7 +80,8 @@ class BenchConfig:
     results (training.copy_constraint), as the product serves the model; False samples it freely."""
 
     def __post_init__(self) -> None:
-        suite_tasks_count(self.suite)
+        if not TASKSET_SUITE.match(self.suite):
+            suite_tasks_count(self.suite)
         if self.attempts < 1 or self.concurrency < 1 or self.max_turns < 1:
             raise BenchConfigError("attempts, concurrency and max_turns must be >= 1")
         if self.attempts > 1 and self.temperature <= 0:
@@ -112,7 +116,8 @@ def suite_tasks_count(suite: str) -> tuple[str, int]:
     match = _SUITE.match(suite)
     if not match:
         raise BenchConfigError(
-            f"unknown suite {suite!r}; use toy-heldout-N, toy-validation-N or toy-train-N (N tasks)"
+            f"unknown suite {suite!r}; use toy-heldout-N, toy-validation-N or toy-train-N (N tasks), or "
+            "taskset-ID-heldout / taskset-ID-train (a mined task set)"
         )
     count = int(match.group("count"))
     if not 1 <= count <= MAX_SUITE_TASKS:
@@ -286,8 +291,11 @@ def _policy_factory(config: BenchConfig) -> tuple[Callable[[CodingTask, int], ob
     ), (lambda: None)
 
 
-def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None = None) -> dict:
-    """Evaluate the policy on every task of the suite; returns the summary (per-task rows included)."""
+def run_benchmark(
+    *, config: BenchConfig, on_task: Callable[[dict], None] | None = None, tasks: list[CodingTask] | None = None
+) -> dict:
+    """Evaluate the policy on every task of the suite (or on ``tasks``, which a task-set suite needs);
+    returns the summary (per-task rows included)."""
     from sandboxes import get_backend
     from sandboxes.base import SandboxError
     from training.agent.config import AgentLimits
@@ -295,7 +303,10 @@ def run_benchmark(*, config: BenchConfig, on_task: Callable[[dict], None] | None
     from training.tasks.reward import RewardInfrastructureError, score_rollout
     from training.tasks.sandboxing import task_sandboxes_create
 
-    tasks = suite_tasks(config.suite)
+    if tasks is None:
+        if TASKSET_SUITE.match(config.suite):
+            raise BenchConfigError(f"{config.suite} is a mined task set: load its tasks (webapp.mining) and pass them")
+        tasks = suite_tasks(config.suite)
     backend = get_backend(config.sandbox_backend)
     limits = AgentLimits(
         max_turns=config.max_turns,

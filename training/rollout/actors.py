@@ -94,7 +94,22 @@ class ExpertResult:
     """Why the expert could not solve it (the group then trains without guidance)."""
 
 
+_task_file_cache: dict[str, list] = {}
+
+
 def task_for_group(config: AsyncRLConfig, group_index: int):
+    """The group's task: from the run's mined task set (``task_set``: tasks.jsonl in the run directory,
+    written at launch) or a generated toy task."""
+    if config.task_set is not None:
+        from training.rollout.run_dir import TASKS_FILE
+        from training.tasks.base import CodingTask
+
+        path = str(Path(config.run_dir) / TASKS_FILE)
+        if path not in _task_file_cache:
+            lines = Path(path).read_text().splitlines()
+            _task_file_cache[path] = [CodingTask.from_json(line) for line in lines if line.strip()]
+        pool = _task_file_cache[path][: config.tasks]
+        return pool[group_index % len(pool)]
     from training.tasks.toy import generate_toy_task, toy_task_seeds
 
     pool = toy_task_seeds(split="train", count=config.tasks, start=config.task_seed_start)
@@ -241,12 +256,15 @@ class RolloutServer:
             (sandbox,) = task_sandboxes_create(backend=get_backend(self.config.sandbox_backend), task=task)
             return sandbox
         from sandboxes.base import RepoSource
+        from training.tasks.sandboxing import task_setup_limits
 
         snapshot = self._fleet_snapshots.get(task.task_id)
         if snapshot is None:
             with tempfile.TemporaryDirectory(prefix=f"flowstate-task-{task.task_id}-") as directory:
                 task.materialize(Path(directory))
-                snapshot = fleet.snapshot_create(source=RepoSource(kind="path", location=directory))
+                snapshot = fleet.snapshot_create(source=RepoSource(kind="path", location=directory),
+                                                 setup_commands=task.setup_commands,
+                                                 setup_limits=task_setup_limits(task))
             self._fleet_snapshots[task.task_id] = snapshot
         return fleet.sandbox_create(snapshot=snapshot, limits=DEFAULT_TASK_LIMITS)
 

@@ -53,6 +53,10 @@ class AsyncRLConfig:
     """Size of the pool of train-split toy tasks, cycled through in order."""
     task_seed_start: int = 0
     """First train-split toy task index of the pool."""
+    task_set: int | None = None
+    """Id of a ready mined task set (the Task sets page) whose train-split tasks are the pool instead of toy
+    tasks (at most `tasks` of them, cycled); the web app writes them to the run directory at launch. Empty:
+    toy tasks."""
     group_size: int = 4
     """Rollouts per task; GRPO advantages are relative to the group."""
     groups_per_step: int = 2

@@ -27,6 +27,8 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
 STATUS_FILE = "driver_status.json"
+TASKS_FILE = "tasks.jsonl"
+"""A mined task set's train-split tasks (CodingTask JSON lines), written by the web app at launch."""
 TRACES_DIR = "traces"
 
 

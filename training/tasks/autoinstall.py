@@ -3,9 +3,12 @@
 Detection reads the usual files (pyproject.toml, setup.cfg, setup.py, requirements*.txt, tox.ini,
 pytest.ini, conftest.py) and proposes a recipe: setup commands that install the project offline
 into a private directory of the workspace, and a test command. The recipe is then run for real: the
-snapshot is built with the setup commands and the test command must actually run tests. Sandboxes
-have no network, so installs never download; a repository that cannot be set up is reported with
-the stage that failed and the reason.
+snapshot is built with the setup commands and the test command must actually run tests. Test runs
+never have network. The setup phase may (``SetupBudget.network``): then requirements and the test
+runner are installed from the package index, within the budget's time and disk limits; without it
+installs never download. The baseline run records which tests pass, fail and error on the clean
+repository and how long the suite takes. A repository that cannot be set up is reported with the
+stage that failed, the reason and the log.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import configparser
 import re
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from training.tasks.reward import parse_unittest_output
 
@@ -44,9 +47,47 @@ class InstallRecipe:
     """Tests that passed in the verification run."""
     verified: bool = False
     """True once the recipe was run in a sandbox and tests ran."""
+    network: bool = False
+    """The setup commands download from the package index (the setup phase runs with the network on)."""
+    baseline: dict = field(default_factory=dict)
+    """The clean repository's test run: passed / failed / errored test ids, ran, duration_s."""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> InstallRecipe:
+        """A recipe from its stored (or user-edited) dict; unknown keys are refused by name."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InstallError(f"unknown recipe fields {unknown}")
+        values = dict(data)
+        for name in ("setup_commands", "detected_from"):
+            values[name] = tuple(values.get(name) or ())
+        if values.get("runner") not in ("pytest", "unittest"):
+            raise InstallError("runner must be 'pytest' or 'unittest'")
+        if not str(values.get("test_command") or "").strip():
+            raise InstallError("the recipe needs a test command")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SetupBudget:
+    """Limits of one repository's environment setup."""
+
+    network: bool = False
+    """Let the setup phase reach the package index (test runs never have network)."""
+    setup_timeout_s: float = 600.0
+    """Wall-clock limit of each setup command."""
+    setup_disk_mb: int = 2048
+    """Disk the setup phase may fill (the snapshot's size budget: repository, installed packages)."""
+    test_timeout_s: float = 600.0
+    """Limit of the baseline test run; a suite that runs past it is reported as hanging."""
+
+    def __post_init__(self) -> None:
+        if self.setup_timeout_s <= 0 or self.test_timeout_s <= 0 or self.setup_disk_mb < 16:
+            raise InstallError("setup budget: timeouts must be > 0 and setup_disk_mb >= 16")
 
 
 @dataclass(frozen=True)
@@ -59,6 +100,8 @@ class InstallFailure:
     """What went wrong and what would fix it."""
     output_tail: str = ""
     """End of the failing command's output."""
+    log: str = ""
+    """What setup did up to the failure: each step and its output (bounded)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,34 +134,41 @@ def _uses_pytest(files: dict[str, str]) -> str | None:
     return None
 
 
-def detect_recipe(files: dict[str, str], paths: list[str]) -> InstallRecipe:
-    """Propose a recipe from the repository's configuration files (`files`) and its file list."""
+def detect_recipe(files: dict[str, str], paths: list[str], *, network: bool = False) -> InstallRecipe:
+    """Propose a recipe from the repository's configuration files (`files`) and its file list.
+
+    With ``network`` the setup commands download (requirements, dependencies, pytest) and pytest runs the
+    tests whenever there are any (it runs unittest suites too); without it nothing is downloaded."""
+    index = "" if network else "--no-index "
     detected: list[str] = []
     setup: list[str] = []
     pythonpath = [SITE_DIR]
     requirement_files = sorted(name for name in files if re.fullmatch(r"requirements(-\w+)?\.txt", name))
     for name in requirement_files:
         if any(line.strip() and not line.strip().startswith("#") for line in files[name].splitlines()):
-            setup.append(f"python3 -m pip install --no-index --quiet --target {SITE_DIR} -r {name}")
+            setup.append(f"python3 -m pip install {index}--quiet --target {SITE_DIR} -r {name}")
             detected.append(name)
     if any(name in files for name in ("pyproject.toml", "setup.py", "setup.cfg")):
         buildable = "setup.py" in files or "[build-system]" in files.get("pyproject.toml", "")
         if buildable:
-            setup.append(
-                f"python3 -m pip install --no-index --no-deps --no-build-isolation --quiet --target {SITE_DIR} ."
-            )
+            offline = "--no-index --no-deps --no-build-isolation "
+            setup.append(f"python3 -m pip install {'' if network else offline}--quiet --target {SITE_DIR} .")
         elif any(path.startswith("src/") for path in paths):
             pythonpath.append("src")
         detected.extend(name for name in ("pyproject.toml", "setup.py", "setup.cfg") if name in files)
     elif any(path.startswith("src/") for path in paths):
         pythonpath.append("src")
-    pytest_source = _uses_pytest(files)
+    pytest_source = _uses_pytest(files) or (
+        "noxfile.py" if "pytest" in files.get("noxfile.py", "") else None
+    )
     has_tests = any(re.search(r"(^|/)test_[^/]*\.py$|(^|/)[^/]*_test\.py$", path) for path in paths)
     if not has_tests and not pytest_source:
         raise InstallError("no tests found: add test_*.py files (unittest or pytest) so changes can be verified")
     environment = f"PYTHONPATH={':'.join(pythonpath)}"
-    if pytest_source:
-        detected.append(pytest_source)
+    if network and (pytest_source or has_tests):
+        setup.insert(0, f"python3 -m pip install --quiet --target {SITE_DIR} pytest")
+    if pytest_source or (network and has_tests):
+        detected.append(pytest_source or "tests")
         command = f"{environment} python3 -m pytest -rA -q -p no:cacheprovider"
         runner = "pytest"
     else:
@@ -127,7 +177,8 @@ def detect_recipe(files: dict[str, str], paths: list[str]) -> InstallRecipe:
         command = f"{environment} python3 -m unittest discover -v -s {start} -t {top}"
         runner = "unittest"
     return InstallRecipe(
-        setup_commands=tuple(setup), test_command=command, runner=runner, detected_from=tuple(detected)
+        setup_commands=tuple(setup), test_command=command, runner=runner, detected_from=tuple(detected),
+        network=network,
     )
 
 
@@ -144,7 +195,7 @@ def count_tests(runner: str, output: str) -> tuple[int, int]:
     return ran, counts.get("passed", 0)
 
 
-_CONFIG_NAMES = ("pyproject.toml", "setup.cfg", "setup.py", "tox.ini", "pytest.ini", "conftest.py")
+_CONFIG_NAMES = ("pyproject.toml", "setup.cfg", "setup.py", "tox.ini", "pytest.ini", "conftest.py", "noxfile.py")
 
 
 def repository_files(sandbox) -> tuple[dict[str, str], list[str]]:
@@ -158,53 +209,3 @@ def repository_files(sandbox) -> tuple[dict[str, str], list[str]]:
     return files, paths
 
 
-def repository_auto_install(*, backend, source, timeout_s: float = 600.0) -> InstallRecipe | InstallFailure:
-    """Detect, install and verify a repository in a sandbox; the recipe, or why it cannot be set up."""
-    from sandboxes.base import SandboxError, SnapshotError
-    from training.tasks.sandboxing import DEFAULT_TASK_LIMITS
-
-    try:
-        plain = backend.snapshot_create(source=source)
-    except (SnapshotError, OSError) as error:
-        return InstallFailure(stage="detect", reason=f"the repository could not be fetched: {error}")
-    sandbox = backend.sandbox_create(snapshot=plain, limits=DEFAULT_TASK_LIMITS)
-    try:
-        files, paths = repository_files(sandbox)
-    except SandboxError as error:
-        return InstallFailure(stage="detect", reason=f"could not read the repository: {error}")
-    finally:
-        sandbox.destroy()
-    try:
-        recipe = detect_recipe(files, paths)
-    except InstallError as error:
-        return InstallFailure(stage="detect", reason=str(error))
-    try:
-        snapshot = backend.snapshot_create(source=source, setup_commands=recipe.setup_commands)
-    except SnapshotError as error:
-        return InstallFailure(
-            stage="install",
-            reason="installing offline failed (sandboxes have no network: every dependency must already be "
-            "in the sandbox image)",
-            output_tail=str(error)[-2000:],
-        )
-    sandbox = backend.sandbox_create(snapshot=snapshot, limits=DEFAULT_TASK_LIMITS)
-    try:
-        if recipe.runner == "pytest":
-            probe = sandbox.exec("python3 -c 'import pytest'", timeout_s=60)
-            if probe.exit_code != 0:
-                return InstallFailure(
-                    stage="test", reason="the repository uses pytest, which the sandbox image does not provide; "
-                    "add pytest to the image (sandboxes/image.py)", output_tail=probe.stderr[-500:],
-                )
-        result = sandbox.exec(recipe.test_command, timeout_s=timeout_s)
-    finally:
-        sandbox.destroy()
-    output = result.stdout + "\n" + result.stderr
-    ran, passed = count_tests(recipe.runner, output)
-    if result.timed_out:
-        return InstallFailure(stage="test", reason=f"the test suite ran past {timeout_s:.0f}s", output_tail=output[-2000:])
-    if ran == 0:
-        return InstallFailure(
-            stage="test", reason=f"the test command ran no tests (exit {result.exit_code})", output_tail=output[-2000:]
-        )
-    return InstallRecipe(**{**recipe.as_dict(), "tests_ran": ran, "tests_passed": passed, "verified": True})

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-TIERS: tuple[str, ...] = ("toy", "real")
+TIERS: tuple[str, ...] = ("toy", "real", "repo")
 SPLITS: tuple[str, ...] = ("train", "heldout")
 
 
@@ -81,7 +81,8 @@ class CodingTask:
     task_id: str
     """Stable id, e.g. "toy-17" or "real-bisect-3f2a..."; unique within a tier."""
     tier: str
-    """"toy" (generated repositories) or "real" (mined from real code)."""
+    """"toy" (generated repositories), "real" (mined from the standard library) or "repo" (mined from a
+    registered repository, training.tasks.repo_mining)."""
     split: str
     """"train" or "heldout"; held-out tasks never share code with training tasks."""
     prompt: str
@@ -106,6 +107,10 @@ class CodingTask:
     """Tier-specific provenance: seed, module, function, line."""
     test_timeout_s: float = 60.0
     """Wall-clock limit of one hidden-test run; a run past it scores zero (the code hangs)."""
+    setup_commands: tuple[str, ...] = ()
+    """Run once when the task's snapshot is built (the repository recipe's install steps)."""
+    setup_network: bool = False
+    """The setup commands download (they run with the network on; the agent and the tests never have it)."""
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -134,6 +139,7 @@ class CodingTask:
         data["solution"] = FileEdit(**data["solution"])
         data["fail_to_pass"] = tuple(data["fail_to_pass"])
         data["pass_to_pass"] = tuple(data["pass_to_pass"])
+        data["setup_commands"] = tuple(data.get("setup_commands") or ())
         return cls(**data)
 
     def materialize(self, root: Path) -> Path:

@@ -255,8 +255,10 @@ def score_rollout(
             f"hidden tests could not run in sandbox: {type(exc).__name__}: {exc}"
         ) from exc
 
+    from training.tasks.testoutput import parse_test_output
+
     output = f"{result.stdout}\n{result.stderr}"
-    statuses, ran = parse_unittest_output(output)
+    statuses, ran = parse_test_output(output)  # unittest -v, or pytest -rA for mined repository tasks
     if result.exit_code in _SHELL_MISSING_EXIT_CODES and ran is None and not result.timed_out:
         raise RewardInfrastructureError(
             f"the test command could not start (exit {result.exit_code}): {output.strip()[-300:]}"

@@ -17,6 +17,15 @@ _snapshot_cache: dict[tuple[int, str, bool], Snapshot] = {}
 _cache_lock = threading.Lock()
 
 
+def task_setup_limits(task: CodingTask) -> SandboxLimits | None:
+    """Limits of the task's setup phase: the network on when its setup commands download; None: the
+    backend's default setup limits."""
+    if not task.setup_network:
+        return None
+    return SandboxLimits(cpu_seconds=1200, memory_mb=2048, max_processes=128, disk_mb=2048,
+                         command_timeout_s=600.0, lifetime_s=1800.0, network=True)
+
+
 def task_snapshot_get_or_create(
     *, backend: SandboxBackend, task: CodingTask, solved: bool = False
 ) -> Snapshot:
@@ -33,7 +42,8 @@ def task_snapshot_get_or_create(
             target = root / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
-        snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(root)))
+        snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(root)),
+                                           setup_commands=task.setup_commands, setup_limits=task_setup_limits(task))
     with _cache_lock:
         _snapshot_cache.setdefault(key, snapshot)
         return _snapshot_cache[key]

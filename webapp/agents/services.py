@@ -378,8 +378,12 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
             backend.reap_orphans()
         except Exception:
             logger.exception("could not reap the sandboxes of dead workers before retrying task %s", task.pk)
+    from webapp.mining.services import recipe_snapshot_setup
+
+    setup_commands, setup_limits = recipe_snapshot_setup(repository_id=task.repository_id)
     snapshot = backend.snapshot_create(source=RepoSource(kind=task.repo_kind, location=task.repo_location,
-                                                         ref=task.repo_ref or None))
+                                                         ref=task.repo_ref or None),
+                                       setup_commands=setup_commands, setup_limits=setup_limits)
     try:
         sandbox = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(
             lifetime_s=limits.wall_time_s + 300, command_timeout_s=min(120.0, limits.wall_time_s)))

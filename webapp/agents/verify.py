@@ -60,8 +60,11 @@ def _plan(*, task: AgentTask, sandbox) -> _Plan | str:
                                                 status=RepositoryRecipe.Status.READY).first()
         recipe = ready.recipe if ready else {}
         if recipe.get("test_command") and recipe.get("runner") in ("pytest", "unittest"):
-            return _Plan(runner=recipe["runner"], command=recipe["test_command"],
-                         setup_commands=tuple(recipe.get("setup_commands") or ()), source="recipe")
+            # A recipe whose setup downloads ran when the task's snapshot was built (network on for that
+            # phase only, webapp.mining.services.recipe_snapshot_setup); an offline one runs here.
+            setup = () if recipe.get("network") else tuple(recipe.get("setup_commands") or ())
+            return _Plan(runner=recipe["runner"], command=recipe["test_command"], setup_commands=setup,
+                         source="recipe")
     files, paths = repository_files(sandbox)
     try:
         detected = detect_recipe(files, paths)

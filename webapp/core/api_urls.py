@@ -9,4 +9,5 @@ urlpatterns = [
     path("", include("webapp.agents.api_urls")),
     path("", include("webapp.fleet.api_urls")),
     path("", include("webapp.experiments.api_urls")),
+    path("", include("webapp.mining.api_urls")),
 ]

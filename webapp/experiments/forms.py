@@ -56,5 +56,5 @@ class ExperimentForm(forms.Form):
 
 
 class EvaluateForm(forms.Form):
-    suite = forms.CharField(initial="toy-heldout-20", help_text="toy-heldout-N, toy-validation-N or toy-train-N")
+    suite = forms.CharField(initial="toy-heldout-20", help_text="toy-heldout-N, toy-validation-N, toy-train-N, or a mined task set's taskset-ID-heldout / taskset-ID-train")
     attempts = forms.IntegerField(initial=1, min_value=1, max_value=16, help_text="k of pass@k")

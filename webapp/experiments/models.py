@@ -165,6 +165,7 @@ class RepositoryRecipe(models.Model):
 
     class Status(models.TextChoices):
         PENDING = "pending"
+        RUNNING = "running"
         READY = "ready"
         FAILED = "failed"
 
@@ -176,4 +177,7 @@ class RepositoryRecipe(models.Model):
     failure = models.JSONField(
         default=dict, blank=True, help_text="Stage and reason when it cannot be set up."
     )
+    log = models.TextField(blank=True, help_text="Each setup step and the baseline run, with their output.")
+    budget = models.JSONField(default=dict, blank=True, help_text="SetupBudget fields of the last setup.")
+    edited = models.BooleanField(default=False, help_text="The recipe was written by the user, not detected.")
     updated_at = models.DateTimeField(auto_now=True)

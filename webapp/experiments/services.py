@@ -85,6 +85,10 @@ def experiment_create(
     # The random suffix keeps a re-created database from reusing an old run's checkpoints.
     experiment.run_dir = str(_experiments_root() / f"experiment-{experiment.pk}-{uuid.uuid4().hex[:8]}")
     experiment.save(update_fields=["run_dir"])
+    if values.get("task_set") is not None:
+        from webapp.mining.services import task_set_pool_write
+
+        task_set_pool_write(task_set_id=values["task_set"], run_dir=experiment.run_dir)
     _enqueue_monitor(experiment.pk)
     return experiment
 
@@ -292,6 +296,27 @@ def _bench_config(*, suite: str, policy: str, attempts: int, options: dict | Non
         raise ValidationError(str(error)) from error
 
 
+def _suite_task_set(*, suite: str, user, load: bool = False):
+    """For a mined task set's suite: check the user may see the ready set, and (``load``) its tasks of that
+    split; None for the toy suites."""
+    from training.bench.runner import TASKSET_SUITE
+    from webapp.mining.selectors import task_set_ready_get
+    from webapp.mining.services import task_set_tasks
+
+    match = TASKSET_SUITE.match(suite)
+    if match is None:
+        return None
+    task_set = task_set_ready_get(user=user, pk=int(match.group("id")))
+    if task_set is None:
+        raise ValidationError({"suite": f"no ready task set {match.group('id')} is visible to you"})
+    if not load:
+        return None
+    tasks = task_set_tasks(task_set=task_set, split=match.group("split"))
+    if not tasks:
+        raise ValidationError({"suite": f"task set {task_set.pk} has no {match.group('split')} tasks"})
+    return tasks
+
+
 @transaction.atomic
 def benchmark_run_create(
     *,
@@ -311,6 +336,7 @@ def benchmark_run_create(
     """
     options = dict(options or {})
     config = _bench_config(suite=suite, policy=policy, attempts=attempts, options=options)
+    _suite_task_set(suite=suite, user=owner)
     label = policy
     if checkpoint is not None:
         label = f"{checkpoint.experiment.name} @ step {checkpoint.step}"
@@ -362,7 +388,7 @@ def benchmark_run_execute(*, run_id: int, options: dict | None = None) -> Benchm
     )
     BenchmarkRun.objects.filter(pk=run.pk).update(status=BenchmarkRun.Status.RUNNING)
     try:
-        summary = run_benchmark(config=config)
+        summary = run_benchmark(config=config, tasks=_suite_task_set(suite=run.suite, user=run.owner, load=True))
     except Exception as error:
         BenchmarkRun.objects.filter(pk=run.pk).update(
             status=BenchmarkRun.Status.FAILED,
@@ -387,20 +413,8 @@ def benchmark_run_execute(*, run_id: int, options: dict | None = None) -> Benchm
 
 
 def repository_recipe_detect(*, repository) -> RepositoryRecipe:
-    """Detect, install and verify a registered repository in a sandbox, and store the outcome."""
-    from sandboxes import get_backend
-    from sandboxes.base import RepoSource
-    from training.tasks.autoinstall import InstallRecipe, repository_auto_install
+    """Detect, install and verify a registered repository in a sandbox, and store the outcome (and its
+    log and baseline): the mining app's environment setup, run here and now."""
+    from webapp.mining.services import repository_setup_run
 
-    source = RepoSource(kind=repository.kind, location=repository.location, ref=repository.ref or None)
-    outcome = repository_auto_install(backend=get_backend(settings.SANDBOX_BACKEND), source=source)
-    ready = isinstance(outcome, InstallRecipe)
-    recipe, _ = RepositoryRecipe.objects.update_or_create(
-        repository=repository,
-        defaults={
-            "status": RepositoryRecipe.Status.READY if ready else RepositoryRecipe.Status.FAILED,
-            "recipe": outcome.as_dict() if ready else {},
-            "failure": {} if ready else outcome.as_dict(),
-        },
-    )
-    return recipe
+    return repository_setup_run(repository=repository)

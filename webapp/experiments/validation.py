@@ -75,6 +75,17 @@ def checkpoint_from_choices(value: Any, *, owner) -> str:
     raise ValidationError({"init_checkpoint": f"choose a registered checkpoint by name: {names}"})
 
 
+def task_set_check(task_set_id: int, *, owner: Any) -> None:
+    """A task-set pool must be a ready mined set the launching user can see (and one with train tasks)."""
+    from webapp.mining.selectors import task_set_ready_get
+
+    task_set = task_set_ready_get(user=owner, pk=task_set_id) if owner is not None else None
+    if task_set is None:
+        raise ValidationError({"task_set": f"no ready task set {task_set_id} is visible to you"})
+    if not task_set.tasks.filter(split="train").exists():
+        raise ValidationError({"task_set": f"task set {task_set_id} has no train-split tasks to train on"})
+
+
 def experiment_config_check(config: Any, *, run_dir: str = "pending", owner: Any = None) -> dict[str, Any]:
     """The full config as AsyncRLConfig accepts it (server fields filled in), without the server-controlled
     fields; or a ValidationError keyed by the field to fix. Types first, then AsyncRLConfig's own rules
@@ -96,6 +107,8 @@ def experiment_config_check(config: Any, *, run_dir: str = "pending", owner: Any
     if owner is not None and values.get("init_checkpoint"):
         values["init_checkpoint"] = checkpoint_from_choices(values["init_checkpoint"], owner=owner)
     values.setdefault("init_checkpoint", settings.MODEL_CHECKPOINT or "")
+    if values.get("task_set") is not None:
+        task_set_check(values["task_set"], owner=owner)
     server = {"sandbox_backend": settings.SANDBOX_BACKEND, "ray_address": settings.RAY_ADDRESS, "run_dir": run_dir}
     try:
         parsed = _config_class().from_dict({**values, **server})
