@@ -105,9 +105,8 @@ def _fuse(*, source: Path, destination: Path, model: SentenceTransformer) -> Non
 
 
 def _quantize(*, source: Path, destination: Path) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # The fused graph's contrib ops (Attention, SkipLayerNormalization, ...) leave some MatMul outputs
     # without an inferred type; every activation here is float32.
@@ -155,7 +154,7 @@ class OnnxTextEncoder:
     """Unit-normalised embeddings from an exported encoder, batched by token length."""
 
     def __init__(
-        self, *, model: SentenceTransformer, onnx_path: Path, max_seq_length: int, threads: int, spinning: bool = True
+        self, *, model: SentenceTransformer, onnx_path: Path, max_seq_length: int, threads: int, spinning: bool = False
     ) -> None:
         import onnxruntime
 
@@ -163,6 +162,8 @@ class OnnxTextEncoder:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        # Threads sleep between kernels unless told to spin: on a shared, oversubscribed machine spinning
+        # burns the cores the other threads need (bench_index_speed.py, docs/notebook/2026-11-29b-issue-53.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._session = onnxruntime.InferenceSession(
