@@ -1,6 +1,10 @@
 """Time until a fresh snapshot answers ``semantic_search``: first (BM25) answer, then semantic.
 
-Part of ``bench_retrieval.py``. The snapshot is real code: standard-library files copied into a
+Part of ``bench_retrieval.py``, and runnable alone (the figures of issue 53)::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_retrieval_snapshot.py --chunks 20000
+
+The snapshot is real code: standard-library files copied into a
 directory until it holds ``target_chunks`` chunks, snapshotted and opened by the local sandbox
 backend, searched through the tool's own entry point with a fresh index root. The encoder is loaded
 (and its ONNX export cached) before the clock starts, as in a worker that has served a task before.
@@ -8,10 +12,18 @@ backend, searched through the tool's own entry point with a fresh index root. Th
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sandboxes.base import RepoSource, SandboxLimits
 from sandboxes.local_backend import LocalBackend, LocalBackendConfig
@@ -45,7 +57,7 @@ def _copy_code(*, destination: Path, target_chunks: int, config: SemanticSearchC
 
 
 def fresh_snapshot_timing(
-    *, target_chunks: int, backend: str, max_seq_length: int, encoder_cache: Path, reference_rate: float,
+    *, target_chunks: int, backend: str, max_seq_length: int, encoder_cache: Path, reference_rate: float | None,
     max_wait_s: float = 3600.0,
 ) -> dict[str, float]:
     root = Path(tempfile.mkdtemp(prefix="bench-semantic-snapshot-"))
@@ -87,8 +99,35 @@ def fresh_snapshot_timing(
                f"chunks encoded, {encoded / semantic_s:.1f} chunks/s")
     print(f"fresh snapshot of {chunks} chunks ({backend}, {max_seq_length} tokens): first answer (BM25, "
           f"{'stand-in' if NOT_READY in first else 'already semantic'}) after {first_s:.2f} s; {outcome}, "
-          f"{answers} searches answered meanwhile); the reference path would need ~{chunks / reference_rate:.0f} s "
-          "before any answer")
+          f"{answers} searches answered meanwhile)"
+          + (f"; the reference path would need ~{chunks / reference_rate:.0f} s before any answer"
+             if reference_rate else ""))
     return {"snapshot_chunks": chunks, "snapshot_first_answer_s": first_s, "snapshot_semantic_s": semantic_s,
             "snapshot_ready": float(ready), "snapshot_chunks_encoded": encoded,
-            "snapshot_reference_estimate_s": chunks / reference_rate}
+            "snapshot_reference_estimate_s": chunks / reference_rate if reference_rate else float("nan")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=20_000, help="chunks of the fresh snapshot")
+    parser.add_argument("--backend", default=SemanticSearchConfig.encoder_backend)
+    parser.add_argument("--max-seq-length", type=int, default=SemanticSearchConfig.max_seq_length)
+    parser.add_argument("--encoder-cache", default="var/sandboxes/semantic-encoders", help="ONNX export cache")
+    parser.add_argument("--max-wait", type=float, default=3600.0, help="stop waiting for semantic answers after")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", flush=True)
+    figures = fresh_snapshot_timing(target_chunks=args.chunks, backend=args.backend,
+                                    max_seq_length=args.max_seq_length, encoder_cache=Path(args.encoder_cache),
+                                    reference_rate=None, max_wait_s=args.max_wait)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

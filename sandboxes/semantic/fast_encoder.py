@@ -67,9 +67,22 @@ def _export(*, model: SentenceTransformer, destination: Path) -> None:
             return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
 
     sample = model.tokenizer(["def example(value):\n    return value"], return_tensors="pt")
+    # Eager attention exports the classic additive-mask pattern that ONNX Runtime's transformer
+    # optimizer fuses into its Attention kernel (the sdpa export's masking is not recognised).
+    attention = transformer.config._attn_implementation
+    transformer.set_attn_implementation("eager")
+    try:
+        _export_pooled(Pooled().eval(), sample=sample, destination=destination)
+    finally:
+        transformer.set_attn_implementation(attention)
+
+
+def _export_pooled(module, *, sample, destination: Path) -> None:
+    import torch
+
     with torch.inference_mode():
         torch.onnx.export(
-            Pooled().eval(),
+            module,
             (sample["input_ids"], sample["attention_mask"]),
             str(destination),
             input_names=["input_ids", "attention_mask"],
@@ -81,46 +94,77 @@ def _export(*, model: SentenceTransformer, destination: Path) -> None:
         )
 
 
+def _fuse(*, source: Path, destination: Path, model: SentenceTransformer) -> None:
+    """ONNX Runtime's transformer optimizer: fused attention, LayerNorm (+ residual) and GELU kernels."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    config = model[0].auto_model.config
+    optimized = optimize_model(str(source), model_type="bert", num_heads=int(config.num_attention_heads),
+                               hidden_size=int(config.hidden_size), opt_level=1, use_gpu=False)
+    optimized.save_model_to_file(str(destination))
+
+
 def _quantize(*, source: Path, destination: Path) -> None:
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(source), str(destination), weight_type=QuantType.QInt8, per_channel=True)
+    # The fused graph's contrib ops (Attention, SkipLayerNormalization, ...) leave some MatMul outputs
+    # without an inferred type; every activation here is float32.
+    quantize_dynamic(str(source), str(destination), weight_type=QuantType.QInt8, per_channel=True,
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
-def onnx_model_path(*, model: SentenceTransformer, cache_dir: Path, backend: str) -> Path:
-    """The exported (and for ``onnx-int8`` quantized) model under ``cache_dir``, made once across processes."""
+def onnx_model_path(*, model: SentenceTransformer, cache_dir: Path, backend: str, fused: bool = True) -> Path:
+    """The exported (fused, and for ``onnx-int8`` quantized) model under ``cache_dir``, made once across processes."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / ("model.int8.onnx" if backend == "onnx-int8" else "model.onnx")
+    stem = "model.fused" if fused else "model.eager"
+    target = cache_dir / (f"{stem}.int8.onnx" if backend == "onnx-int8" else f"{stem}.onnx")
     if target.is_file():
         return target
     with FileLock(str(cache_dir / "export.lock")):
         if target.is_file():
             return target
         _check_architecture(model)
-        exported = cache_dir / "model.onnx"
+        exported = cache_dir / "model.eager.onnx"
         if not exported.is_file():
             staging = cache_dir / f".model.{uuid.uuid4().hex}.onnx"
             _export(model=model, destination=staging)
             os.replace(staging, exported)
+        graph = exported
+        if fused:
+            graph = cache_dir / "model.fused.onnx"
+            if not graph.is_file():
+                _staged(graph, lambda staging: _fuse(source=exported, destination=staging, model=model))
         if backend == "onnx-int8":
-            staging = cache_dir / f".model.int8.{uuid.uuid4().hex}.onnx"
-            try:
-                _quantize(source=exported, destination=staging)
-                os.replace(staging, target)
-            finally:
-                staging.unlink(missing_ok=True)
+            _staged(target, lambda staging: _quantize(source=graph, destination=staging))
     return target
+
+
+def _staged(target: Path, make: Callable[[Path], None]) -> None:
+    """``make`` writes a staging file that replaces ``target`` only once complete."""
+    staging = target.with_name(f".{target.stem}.{uuid.uuid4().hex}.onnx")
+    try:
+        make(staging)
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 class OnnxTextEncoder:
     """Unit-normalised embeddings from an exported encoder, batched by token length."""
 
-    def __init__(self, *, model: SentenceTransformer, onnx_path: Path, max_seq_length: int, threads: int) -> None:
+    def __init__(
+        self, *, model: SentenceTransformer, onnx_path: Path, max_seq_length: int, threads: int, spinning: bool = False
+    ) -> None:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        # Threads sleep between kernels unless told to spin: on a shared, oversubscribed machine spinning
+        # burns the cores the other threads need (bench_index_speed.py, docs/notebook/2026-11-29b-issue-53.md).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._session = onnxruntime.InferenceSession(
             str(onnx_path), sess_options=options, providers=["CPUExecutionProvider"]

@@ -89,4 +89,21 @@ def test_models_the_export_cannot_reproduce_are_refused(tmp_path, encoder_cache)
     cls_pooled = SentenceTransformer(modules=[model[0], Pooling(384, pooling_mode="cls")], device="cpu")
     with pytest.raises(SemanticSearchError, match="mean pooling"):
         onnx_model_path(model=cls_pooled, cache_dir=tmp_path / "cls", backend="onnx")
-    assert not (tmp_path / "cls" / "model.onnx").exists()
+    assert not list((tmp_path / "cls").glob("*.onnx"))
+
+
+@pytest.mark.parametrize(("backend", "attention"), [("onnx", "Attention"), ("onnx-int8", "QAttention")])
+def test_the_fast_graph_runs_fused_transformer_kernels(encoder_cache, backend, attention):
+    """The export must keep matching ORT's fusion patterns (a transformers upgrade can silently break them)."""
+    import onnx
+
+    from sandboxes.semantic.encoder import encoder_fingerprint
+    from sandboxes.semantic.fast_encoder import onnx_model_path
+
+    config = SemanticSearchConfig(encoder_cache_dir=encoder_cache, encoder_backend=backend, max_seq_length=128)
+    model = load_encoder(path=config.encoder_path, max_seq_length=128)
+    path = onnx_model_path(model=model, cache_dir=encoder_cache / encoder_fingerprint(config.encoder_path),
+                           backend=backend)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert {attention, "SkipLayerNormalization", "BiasGelu"} <= ops, sorted(ops)
+    assert "Softmax" not in ops  # no unfused attention left

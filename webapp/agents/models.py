@@ -90,6 +90,9 @@ class AgentTask(OwnedModel):
     claim_token = models.UUIDField(null=True, blank=True)
     last_seq = models.IntegerField(default=-1, help_text="Sequence number of the newest stored event.")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    snapshot_id = models.CharField(
+        max_length=200, blank=True,
+        help_text="Sandbox snapshot of the latest attempt: links the task to its semantic index build.")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

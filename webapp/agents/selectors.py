@@ -148,3 +148,33 @@ def broker_waiting_task_ids() -> set[int]:
                     if task_id.isdigit():
                         found.add(int(task_id))
     return found
+
+
+def task_index_progress(*, task: AgentTask) -> dict | None:
+    """The semantic index build of the task's snapshot as the task page shows it, or None.
+
+    ``None`` when the task has no snapshot yet or nothing was built for it (the build starts at the
+    agent's first ``semantic_search``). Read from the progress files of the deployment's index root.
+    """
+    from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
+    from sandboxes.semantic.progress import index_progress_list
+
+    if not task.snapshot_id:
+        return None
+    try:
+        index_root = SemanticSearchConfig.from_environment().index_root
+    except SemanticSearchError:
+        return None
+    rows = index_progress_list(index_root=index_root, snapshot_id=task.snapshot_id)
+    if not rows:
+        return None
+    row = rows[0]
+    labels = {
+        "building": f"building: {row.chunks_done} of {row.chunks_total} chunks encoded "
+                    f"({row.fraction:.0%}); semantic_search answers from BM25 until it is ready",
+        "ready": f"ready: {row.chunks_total} chunks, semantic_search answers from the embedding index",
+        "failed": f"build failed ({row.error[:300]}); the next semantic_search starts it again",
+        "stalled": f"build stalled at {row.chunks_done} of {row.chunks_total} chunks (its process stopped writing)",
+    }
+    return {"state": row.state, "chunks_done": row.chunks_done, "chunks_total": row.chunks_total,
+            "fraction": round(row.fraction, 4), "label": labels.get(row.state, row.state)}

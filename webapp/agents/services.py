@@ -393,6 +393,11 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
     return backend, snapshot, sandbox
 
 
+def task_snapshot_record(*, task_id: int, claim_token, snapshot_id: str) -> bool:
+    """Store the snapshot this attempt works on (the task page follows its semantic index build)."""
+    return bool(AgentTask.objects.filter(pk=task_id, claim_token=claim_token).update(snapshot_id=snapshot_id))
+
+
 def task_run(*, task_id: int) -> str:
     """Claim the task, run the agent in a fresh sandbox, store every event and the outcome.
 
@@ -424,6 +429,8 @@ def task_run(*, task_id: int) -> str:
         except (SandboxError, ValueError, OSError) as exc:
             fail(f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
             return "failed: sandbox"
+        _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=snapshot.id),
+                  what=f"recording the snapshot of task {task_id}")
 
         def on_event(event: dict) -> None:
             try:

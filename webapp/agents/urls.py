@@ -9,6 +9,7 @@ urlpatterns = [
     path("<int:pk>/", views.task_detail, name="task-detail"),
     path("<int:pk>/cancel/", views.task_cancel, name="task-cancel"),
     path("<int:pk>/patch/", views.task_patch, name="task-patch"),
+    path("<int:pk>/index-progress/", views.task_index_progress, name="task-index-progress"),
     path("traces/", views.trace_list, name="trace-list"),
     path("traces/compare/", views.trace_compare, name="trace-compare"),
 ]

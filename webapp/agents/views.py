@@ -9,7 +9,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
-from django.http import HttpResponse
+from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -121,7 +121,15 @@ def task_detail(request, pk: int):
     return render(request, "agents/task_detail.html", {
         "task": task, "can_change": task.owner_id == request.user.pk,
         "share_url": request.build_absolute_uri(), "tools_used": selectors.task_tools_used(task=task),
+        "index_progress": selectors.task_index_progress(task=task),
     })
+
+
+@login_required
+def task_index_progress(request, pk: int):
+    """The semantic index build of the task's snapshot (the task page polls it while building)."""
+    task = selectors.task_get(user=request.user, pk=pk)
+    return JsonResponse({"progress": selectors.task_index_progress(task=task)})
 
 
 @login_required
