@@ -213,6 +213,13 @@ if AGENT_STALE_AFTER_S <= AGENT_HEARTBEAT_S:
 AGENT_MAX_ATTEMPTS = env_int("AGENT_MAX_ATTEMPTS", 2, minimum=1)
 # Verified results: the repository's tests run after the agent stops, for at most this long.
 AGENT_VERIFY_TIMEOUT_S = env_int("AGENT_VERIFY_TIMEOUT_S", 300, minimum=10)
+# Follow-ups: after a task finishes, its worker keeps the sandbox warm this long for a follow-up
+# message (0: never; a follow-up then rebuilds the workspace from snapshot + patch). The worker's slot
+# is held meanwhile, and it lets go early when other agent tasks wait.
+AGENT_FOLLOWUP_WARM_S = env_int("AGENT_FOLLOWUP_WARM_S", 120, minimum=0, maximum=3600)
+# Fernet key (urlsafe base64 of 32 bytes) encrypting repository push credentials; in development it
+# is derived from SECRET_KEY, in production it must be set before credentials can be stored.
+CREDENTIALS_KEY = env_optional("FLOWSTATE_CREDENTIALS_KEY")
 # How often each worker's sweeper looks for queued tasks without a message and stale running ones,
 # and how long a queued task may lack a message before it is sent again (covers the commit->send gap).
 AGENT_SWEEP_S = env_int("AGENT_SWEEP_S", max(2, AGENT_STALE_AFTER_S // 2), minimum=1)

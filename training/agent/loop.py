@@ -4,6 +4,9 @@ Every step is reported through ``on_event`` as a dict ``{"seq", "kind", "turn", 
 with kinds:
 
 - ``start``: prompt, policy name, limits.
+- ``user_message``: a further user turn of the same conversation (``content`` plus the caller's
+  ``user_meta``): a follow-up continuing a finished run (``history``) or one delivered when the
+  agent stopped (``next_message``).
 - ``turn_start``: a model call begins (``payload.context_tokens`` estimates the prompt size).
 - ``model_output``: content, tool call count, prompt/completion tokens, duration.
 - ``tool_call``: one requested call (``call_id``, ``name``, ``arguments``, ``index``/``count``
@@ -89,6 +92,10 @@ def run_agent(
     system_prompt: str = SYSTEM_PROMPT,
     first_seq: int = 0,
     disabled_tools: Collection[str] = (),
+    history: list[dict] | None = None,
+    first_turn: int = 0,
+    next_message: Callable[[], tuple[str, dict] | None] | None = None,
+    user_meta: dict[str, Any] | None = None,
 ) -> AgentResult:
     """Run the agent until it answers without tool calls, a limit is hit, or ``should_stop``
     returns a reason (checked before every model call and tool batch; status ``cancelled``).
@@ -99,6 +106,12 @@ def run_agent(
     ``disabled_tools`` are still offered (the prompt stays the same) but every call to one is answered
     with an error instead of running: an ablation that measures what a tool's results add without
     changing what the model sees before it calls it.
+
+    Conversations: with ``history`` (an earlier run's ``AgentResult.messages``) the run continues
+    that context with ``prompt`` as the next user message (a ``user_message`` event instead of
+    ``start``), numbering turns after ``first_turn``. ``next_message`` is asked whenever the model
+    answers without tool calls: a ``(content, meta)`` it returns becomes the next user message and
+    the run goes on instead of finishing.
     """
     if not prompt or not prompt.strip():
         raise ValueError("run_agent needs a non-empty prompt")
@@ -106,7 +119,7 @@ def run_agent(
     tools = openai_tool_schemas()
     events: list[dict] = []
     seq = first_seq
-    turn = 0
+    turn = first_turn
 
     def emit(kind: str, payload: dict[str, Any]) -> None:
         nonlocal seq
@@ -116,7 +129,7 @@ def run_agent(
         if on_event is not None:
             on_event(event)
 
-    messages: list[dict] = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+    messages: list[dict] = [*(history or [{"role": "system", "content": system_prompt}]), {"role": "user", "content": prompt}]
     totals = {"prompt": 0, "completion": 0}
     completions: list[dict] = []
     summaries = 0
@@ -157,8 +170,11 @@ def run_agent(
         })
         return result
 
-    emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
-                   "tools": [tool["function"]["name"] for tool in tools]})
+    if history:
+        emit("user_message", {"content": prompt, "policy": policy.name, **(user_meta or {})})
+    else:
+        emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
+                       "tools": [tool["function"]["name"] for tool in tools]})
     try:
         while True:
             if should_stop is not None and (stop_reason := should_stop()):
@@ -167,7 +183,7 @@ def run_agent(
                 return finish("failed", f"wall time limit of {limits.wall_time_s:g}s reached after {turn} turns")
             if totals["completion"] >= limits.max_tokens:
                 return finish("failed", f"token budget of {limits.max_tokens} completion tokens used up")
-            if turn >= limits.max_turns:
+            if turn - first_turn >= limits.max_turns:  # limits apply to each run of a conversation
                 return finish("failed", f"turn limit of {limits.max_turns} reached without a final answer")
 
             if last_context_tokens >= limits.summarize_at * limits.context_tokens:
@@ -199,7 +215,13 @@ def run_agent(
                 "duration_s": round(model_turn.duration_s, 4),
             })
             if not model_turn.tool_calls:
-                return finish("succeeded", "the agent answered without further tool calls", model_turn.content)
+                following = next_message() if next_message is not None else None
+                if following is None:
+                    return finish("succeeded", "the agent answered without further tool calls", model_turn.content)
+                content, meta = following
+                emit("user_message", {"content": content, "policy": policy.name, **meta})
+                messages.append({"role": "user", "content": content})
+                continue
 
             if should_stop is not None and (stop_reason := should_stop()):
                 return finish("cancelled", stop_reason)

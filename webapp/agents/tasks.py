@@ -14,9 +14,12 @@ _stop_sweeping = threading.Event()
 
 @shared_task(name="agents.task_run", acks_late=True, reject_on_worker_lost=True)
 def agent_task_run(task_id: int) -> str:
+    from webapp.agents import followups
     from webapp.agents.services import task_run
 
-    return task_run(task_id=int(task_id))
+    if followups.is_continuation(task_id=int(task_id)):  # a follow-up of a finished task no warm worker took
+        return followups.continuation_run(task_id=int(task_id))
+    return task_run(task_id=int(task_id), keep_warm=True)
 
 
 def _sweep_once() -> None:
