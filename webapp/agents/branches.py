@@ -64,7 +64,7 @@ def _fernet():
             from None
 
 
-def credentials_set(*, repository: Repository, user, username: str, secret: str) -> RepositoryCredential:
+def credentials_set(*, repository: Repository, user, secret: str, username: str = "") -> RepositoryCredential:
     """Store (replace) the push credentials of the owner's git repository; the secret is encrypted."""
     if repository.owner_id != user.pk:
         raise ValidationError({"secret": "only the repository's owner can set its push credentials"})
