@@ -300,6 +300,9 @@
       if (this.statusBadge) { this.statusBadge.textContent = shown; this.statusBadge.className = `badge ${status} ${this.outcome}`; this.statusBadge.title = reason || ""; }
       if (this.progress) this.progress.hidden = !(status === "running" || status === "queued");
       this.root.dataset.status = status;
+      // Page actions that only apply to a finished task (create branch) follow the live status.
+      const finished = status === "succeeded" || status === "failed" || status === "cancelled";
+      for (const form of document.querySelectorAll("[data-role=branch-form]")) form.hidden = !finished;
       this.renderCounters();
     }
 
