@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -240,10 +239,10 @@ def _claimed_run(*, task_id: int, sandbox_for, workspace: str) -> str | None:
         if sandbox is None:
             return "failed: workspace"
         return _continue(task=task, token=token, sandbox=sandbox, lost=lost, workspace=workspace)
-    except Exception as exc:
+    except Exception:
         logger.exception("follow-up of task %s crashed", task_id)
-        services._db_retry(lambda: services.task_fail(task_id=task_id, claim_token=token,
-                                                      reason=f"internal error: {type(exc).__name__}: {exc}"),
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        services._db_retry(lambda: services.task_fail(task_id=task_id, claim_token=token, reason=reason),
                            what=f"failing task {task_id}")
         return "failed: internal error"
     finally:
@@ -257,7 +256,7 @@ def _task_state(task_id: int) -> str | None:
 def _others_waiting(task_id: int) -> bool:
     """Other agent tasks wait for a worker: give the slot back rather than hold it for a maybe."""
     return AgentTask.objects.filter(status=AgentTask.Status.QUEUED, source=AgentTask.Source.PRODUCT).exclude(
-        pk=task_id).filter(created_at__lt=timezone.now() - timedelta(seconds=1)).exists()
+        pk=task_id).exists()
 
 
 def after_run(*, task_id: int, sandbox, keep_warm: bool, started: float | None = None) -> int:

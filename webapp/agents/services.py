@@ -689,9 +689,8 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
     (webapp.agents.followups).
     """
     from sandboxes.base import SandboxError
-    from webapp.agents import followups
     from training.agent.loop import AgentStopped, run_agent
-    from webapp.agents import verify
+    from webapp.agents import followups, verify
 
     claimed = _db_retry(lambda: task_claim(task_id=task_id), what=f"claiming task {task_id}")
     if claimed is None:
