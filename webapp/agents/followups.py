@@ -239,7 +239,7 @@ def _claimed_run(*, task_id: int, sandbox_for, workspace: str) -> str | None:
         if sandbox is None:
             return "failed: workspace"
         return _continue(task=task, token=token, sandbox=sandbox, lost=lost, workspace=workspace)
-    except Exception:
+    except Exception as exc:
         logger.exception("follow-up of task %s crashed", task_id)
         reason = f"internal error: {type(exc).__name__}: {exc}"
         services._db_retry(lambda: services.task_fail(task_id=task_id, claim_token=token, reason=reason),
