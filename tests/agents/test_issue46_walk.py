@@ -41,6 +41,11 @@ def _gap_below_last_turn(page) -> float:
 
 @pytest.mark.django_db(transaction=True)
 def test_issue46_walk(owner, demo_repository, short_warm_period, asgi_server, celery_worker_process):
+    from webapp.experiments.demo_experiment import demo_experiment_seed
+    from webapp.experiments.models import Experiment
+
+    demo_experiment_seed(user=owner)  # what make run seeds (before the browser: the ORM is sync-only)
+    experiment = Experiment.objects.get(owner=owner)
     base = f"http://{asgi_server}"
     outside_requests: list[str] = []
     with chromium_page("issue46_walk") as page:
@@ -109,4 +114,16 @@ def test_issue46_walk(owner, demo_repository, short_warm_period, asgi_server, ce
         assert page.locator(".swagger-ui .opblock").count() > 5
         assert "Flowstate API" in page.locator(".swagger-ui .title").first.inner_text()
         _shot(page, "09-api-docs")
+
+        # make run's seeded experiment (real scripted rollouts, labelled not trained): its plots render.
+        page.goto(f"{base}/experiments/")
+        assert page.locator("fieldset.config-section").count() >= 5
+        _shot(page, "10-experiment-form")
+        page.goto(f"{base}/experiments/{experiment.pk}/")
+        page.wait_for_selector("#chart-mean_reward canvas, #chart-mean_reward svg", timeout=30_000)
+        assert "not trained" in page.content()
+        _shot(page, "11-seeded-experiment-plots")
+        page.goto(f"{base}/experiments/{experiment.pk}/groups/seeded-1/")
+        assert page.locator("text=open trace").count() == 2
+        _shot(page, "12-seeded-group")
     assert outside_requests == [], f"the pages asked other hosts for: {outside_requests[:5]}"
