@@ -154,3 +154,15 @@ def test_the_task_page_offers_the_followup_form_to_its_owner_only(owner, teammat
     client.force_login(owner)
     response = client.post(f"/tasks/{task.pk}/followup/", {"message": "Also check the mean"})
     assert response.status_code == 302 and TaskFollowUp.objects.get(task=task).message == "Also check the mean"
+
+
+@pytest.mark.django_db
+def test_cancelling_drops_waiting_followups_and_a_new_one_reopens_the_task(owner, demo_repository):
+    task = services.task_create(owner=owner, prompt="Fix it", backend="scripted", repository=demo_repository,
+                                enqueue=False)
+    first = followups.followup_send(task=task, user=owner, message="first")
+    services.task_cancel(task=task, user=owner)
+    second = followups.followup_send(task=AgentTask.objects.get(pk=task.pk), user=owner, message="second")
+    first.refresh_from_db()
+    task.refresh_from_db()
+    assert first.status == "dropped" and second.status == "pending" and task.status == "queued"

@@ -86,6 +86,9 @@ def followup_send(*, task: AgentTask, user, message: str) -> TaskFollowUp:
     if task.followups.filter(status=TaskFollowUp.Status.PENDING).count() >= MAX_PENDING:
         raise ValidationError({"message": ValidationError(
             f"{MAX_PENDING} follow-ups already wait for the agent; wait until it takes them", code=CONFLICT)})
+    if task.status == AgentTask.Status.CANCELLED:  # messages the user cancelled with the task stay unsent
+        task.followups.filter(status=TaskFollowUp.Status.PENDING).update(
+            status=TaskFollowUp.Status.DROPPED, status_reason="the task was cancelled before the agent took it")
     followup = TaskFollowUp.objects.create(task=task, author=user, message=message)
     if task.is_finished:
         _task_reopen(task)
