@@ -44,6 +44,7 @@ MAX_MESSAGE_CHARS = 20_000
 MAX_PENDING = 20
 PATCH_FILE = ".flowstate-followup.patch"
 _WARM_KEY = "flowstate:followup-warm:{task_id}"
+_shutting_down = threading.Event()
 _WAKE_KEY = "flowstate:followup-wake:{task_id}"
 
 
@@ -274,6 +275,11 @@ def after_run(*, task_id: int, sandbox, keep_warm: bool, started: float | None =
         return 0
 
 
+def stop_warm_waits() -> None:
+    """The worker is shutting down: warm waits end at once (a graceful stop must not wait for them)."""
+    _shutting_down.set()
+
+
 def _after_run(*, task_id: int, sandbox, keep_warm: bool, started: float | None) -> int:
     warm_s = settings.AGENT_FOLLOWUP_WARM_S if keep_warm else 0
     reopened = _reopen_if_pending(task_id=task_id)
@@ -303,7 +309,7 @@ def _after_run(*, task_id: int, sandbox, keep_warm: bool, started: float | None)
                         client.set(warm_key, str(os.getpid()), ex=warm_s + 60)
                 if last_look:
                     break
-                if (time.monotonic() >= deadline or time.monotonic() - started > budget_s
+                if (time.monotonic() >= deadline or time.monotonic() - started > budget_s or _shutting_down.is_set()
                         or _task_state(task_id) is None or _others_waiting(task_id)):
                     client.delete(warm_key)  # from here on senders enqueue; one last look at the row
                     last_look = True

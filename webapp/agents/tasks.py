@@ -6,7 +6,7 @@ import logging
 import threading
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 logger = logging.getLogger(__name__)
 _stop_sweeping = threading.Event()
@@ -81,3 +81,11 @@ def _recover_stale_tasks(**_kwargs) -> None:
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
     _stop_sweeping.set()
+
+
+@worker_shutting_down.connect
+def _end_warm_waits(**_kwargs) -> None:
+    # A worker keeping a finished task's sandbox warm (webapp.agents.followups) lets it go at once.
+    from webapp.agents.followups import stop_warm_waits
+
+    stop_warm_waits()
