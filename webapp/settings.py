@@ -225,6 +225,13 @@ REPO_SETUP_TIMEOUT_S = env_int("REPO_SETUP_TIMEOUT_S", 600, minimum=10, maximum=
 REPO_SETUP_DISK_MB = env_int("REPO_SETUP_DISK_MB", 2048, minimum=64, maximum=65536)
 REPO_TEST_TIMEOUT_S = env_int("REPO_TEST_TIMEOUT_S", 600, minimum=5, maximum=7200)
 MINING_MAX_CANDIDATES = env_int("MINING_MAX_CANDIDATES", 2000, minimum=1, maximum=100_000)
+# Follow-ups: after a task finishes, its worker keeps the sandbox warm this long for a follow-up
+# message (0: never; a follow-up then rebuilds the workspace from snapshot + patch). The worker's slot
+# is held meanwhile, and it lets go early when other agent tasks wait.
+AGENT_FOLLOWUP_WARM_S = env_int("AGENT_FOLLOWUP_WARM_S", 120, minimum=0, maximum=3600)
+# Fernet key (urlsafe base64 of 32 bytes) encrypting repository push credentials; in development it
+# is derived from SECRET_KEY, in production it must be set before credentials can be stored.
+CREDENTIALS_KEY = env_optional("FLOWSTATE_CREDENTIALS_KEY")
 # How often each worker's sweeper looks for queued tasks without a message and stale running ones,
 # and how long a queued task may lack a message before it is sent again (covers the commit->send gap).
 AGENT_SWEEP_S = env_int("AGENT_SWEEP_S", max(2, AGENT_STALE_AFTER_S // 2), minimum=1)

@@ -46,6 +46,7 @@
       this.events = [];
       this.lastSeq = -1;
       this.turns = new Map();
+      this.segment = 0;  // user turns after the first prompt: each follow-up starts a new segment
       this.calls = new Map();
       this.status = options.status || "queued";
       this.outcome = options.outcome || "";
@@ -63,7 +64,7 @@
       this.connection = root.querySelector("[data-role=connection]");
       this.progress = root.querySelector("[data-role=progress]");
       this.observer = new IntersectionObserver((entries) => {
-        for (const entry of entries) if (entry.isIntersecting) this.renderTurnBody(Number(entry.target.dataset.turn));
+        for (const entry of entries) if (entry.isIntersecting) this.renderTurnBody(entry.target.dataset.turn);
       }, { rootMargin: "600px" });
       this.setStatus(this.status, options.reason || "");
       setInterval(() => this.renderCounters(), 1000);
@@ -82,6 +83,7 @@
       if (event.kind === "tool_call") this.totals.calls += 1;
       if (event.kind === "turn_start") this.totals.turns = Math.max(this.totals.turns, event.turn);
       if (event.kind === "tool_call" && p.name === "todo_write" && p.arguments && Array.isArray(p.arguments.todos)) this.renderTodos(p.arguments.todos);
+      if (event.kind === "user_message") this.startSegment(event);
       if (event.kind === "final") this.renderFinal(event);
       if (event.kind === "tests") this.renderTests(event);
       const turn = this.turnFor(event);
@@ -90,11 +92,15 @@
       if (turn.rendered) this.renderEvent(turn, event);
     }
 
+    // Section keys: "start", "user-<seq>" (a follow-up), "<turn>", "result-<segment>" (final + tests of each run).
     turnFor(event) {
-      const key = event.kind === "final" || event.kind === "tests" || event.kind === "start" ? (event.kind === "start" ? -1 : 1e9) : event.turn;
+      let key = String(event.turn);
+      if (event.kind === "start") key = "start";
+      else if (event.kind === "user_message") key = `user-${event.seq}`;
+      else if (event.kind === "final" || event.kind === "tests") key = `result-${this.segment}`;
       let turn = this.turns.get(key);
       if (!turn) {
-        const section = el("section", { cls: "turn", "data-turn": String(key) });
+        const section = el("section", { cls: "turn" + (key.startsWith("user-") ? " turn-user" : ""), "data-turn": key });
         const header = el("header", { cls: "turn-header" });
         const body = el("div", { cls: "turn-body" });
         section.append(header, body);
@@ -108,8 +114,11 @@
 
     updateTurnHeader(turn) {
       let label;
-      if (turn.key === -1) label = "Task";
-      else if (turn.key === 1e9) label = "Result";
+      if (turn.key === "start") label = "Task";
+      else if (turn.key.startsWith("user-")) {
+        const p = turn.events[0].payload || {};
+        label = `Follow-up${p.author ? " from " + p.author : ""}${p.workspace ? " · " + p.workspace + " workspace" : ""}`;
+      } else if (turn.key.startsWith("result-")) label = turn.key === "result-0" ? "Result" : `Result after follow-up ${turn.key.slice(7)}`;
       else {
         const out = turn.events.find((e) => e.kind === "model_output");
         const calls = turn.events.filter((e) => e.kind === "tool_call").length;
@@ -137,6 +146,9 @@
       switch (event.kind) {
         case "start":
           body.appendChild(el("div", { cls: "ev ev-start" }, [el("div", { cls: "label", text: `Prompt · ${p.policy || ""}` }), el("pre", { text: p.prompt })]));
+          break;
+        case "user_message":
+          body.appendChild(el("div", { cls: "ev ev-user", "data-seq": String(event.seq) }, [el("pre", { cls: "user-text", text: p.content })]));
           break;
         case "turn_start":
           break;
@@ -236,6 +248,14 @@
       this.todoPanel.replaceChildren(...todos.map((t) => el("li", { cls: `todo ${t.status}`, text: `${t.status === "completed" ? "✔" : t.status === "in_progress" ? "▶" : "○"} ${t.content}` })));
     }
 
+    startSegment(event) {
+      this.segment += 1;
+      // The previous result stays in the timeline; the panel below follows the newest run.
+      if (this.finalPanel) this.finalPanel.replaceChildren(el("div", { cls: "muted", text: "The agent continues after your follow-up…" }));
+      this.finalPanel && this.finalPanel.removeAttribute("hidden");
+      if (this.status !== "queued" && this.status !== "running") this.setStatus("running", "follow-up");
+    }
+
     renderFinal(event) {
       if (!this.finalPanel) return;
       const p = event.payload;
@@ -280,6 +300,9 @@
       if (this.statusBadge) { this.statusBadge.textContent = shown; this.statusBadge.className = `badge ${status} ${this.outcome}`; this.statusBadge.title = reason || ""; }
       if (this.progress) this.progress.hidden = !(status === "running" || status === "queued");
       this.root.dataset.status = status;
+      // Page actions that only apply to a finished task (create branch) follow the live status.
+      const finished = status === "succeeded" || status === "failed" || status === "cancelled";
+      for (const form of document.querySelectorAll("[data-role=branch-form]")) form.hidden = !finished;
       this.renderCounters();
     }
 
@@ -330,7 +353,8 @@
       const view = new TraceView(root, { taskId: Number(root.dataset.taskId), status: root.dataset.status, reason: root.dataset.reason, outcome: root.dataset.outcome });
       root.traceView = view;
       if (!window.flowstateTrace) window.flowstateTrace = view;
-      const live = root.dataset.live === "true" && (view.status === "running" || view.status === "queued");
+      // A finished task's page listens too: a follow-up (from this page, the API or a teammate's view) continues it.
+      const live = root.dataset.live === "true";
       if (live) view.connect();
       else view.loadAll().catch((error) => view.setConnection(String(error)));
       const reconnect = root.querySelector("[data-role=reconnect]");

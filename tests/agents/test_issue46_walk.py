@@ -1,7 +1,7 @@
-"""Issue 46's walk in Chromium, a screenshot per step (test-results/issue-46/): log in, submit a task,
-watch it live, see the verified status, open the API docs (rendered from local assets, not blank).
-
-Follow-ups, branches and the seeded experiment's plots are not part of it yet: they are not built."""
+"""Issue 46's walk in Chromium, a screenshot per step (test-results/issue-46/, the path is printed): log
+in, submit a task, watch it live, see the verified status, send a follow-up and watch the agent continue
+in its warm workspace, see the verified status again, create the branch, open the API docs (rendered
+from local assets, not blank) and the seeded experiment's plots."""
 
 from __future__ import annotations
 
@@ -19,10 +19,33 @@ SHOTS = Path(ARTIFACTS) / "issue-46"
 def _shot(page, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    print(f"screenshot: {SHOTS / name}.png")
+
+
+@pytest.fixture
+def short_warm_period(monkeypatch):
+    # The worker keeps the finished task's sandbox for a follow-up; short, so its shutdown is quick.
+    monkeypatch.setenv("AGENT_FOLLOWUP_WARM_S", "25")
+
+
+def _gap_below_last_turn(page) -> float:
+    """Pixels between the last painted text of the timeline and the result card (a section the browser
+    skips painting has an empty innerText: that was the issue's tall empty region)."""
+    return page.evaluate("""() => {
+        let bottom = 0;
+        for (const node of document.querySelectorAll('[data-role=timeline] .turn-header, [data-role=timeline] .ev'))
+            if (node.innerText.trim()) bottom = Math.max(bottom, node.getBoundingClientRect().bottom);
+        return document.querySelector('[data-role=final]').getBoundingClientRect().top - bottom;
+    }""")
 
 
 @pytest.mark.django_db(transaction=True)
-def test_issue46_walk(owner, demo_repository, asgi_server, celery_worker_process):
+def test_issue46_walk(owner, demo_repository, short_warm_period, asgi_server, celery_worker_process):
+    from webapp.experiments.demo_experiment import demo_experiment_seed
+    from webapp.experiments.models import Experiment
+
+    demo_experiment_seed(user=owner)  # what make run seeds (before the browser: the ORM is sync-only)
+    experiment = Experiment.objects.get(owner=owner)
     base = f"http://{asgi_server}"
     outside_requests: list[str] = []
     with chromium_page("issue46_walk") as page:
@@ -52,16 +75,55 @@ def test_issue46_walk(owner, demo_repository, asgi_server, celery_worker_process
         assert badge.inner_text() == "finished, tests pass"
         verification = page.locator("[data-role=tests]")
         assert "tests pass: 3 passed" in verification.inner_text() and "unittest" in verification.inner_text()
+        assert _gap_below_last_turn(page) < 80, "a tall empty region between the last turn and the result"
         _shot(page, "04-verified")
+
+        # A follow-up: the same conversation continues in the warm workspace, then is verified again.
+        page.fill("#followup-message", "Please document median too")
+        page.click("[data-role=followup]")
+        page.wait_for_url(f"{base}/tasks/{task_id}/")
+        page.wait_for_function("() => document.querySelector('.turn-user .user-text') && "
+                               "document.querySelector('.turn-user .user-text').textContent === 'Please document median too'",
+                               timeout=60_000)
+        page.wait_for_function("() => flowstateTrace.status === 'running' || "
+                               "document.querySelector('[data-turn=\"result-1\"]')", timeout=60_000)
+        _shot(page, "05-followup-live")
+        page.wait_for_function("() => flowstateTrace.status === 'succeeded' && flowstateTrace.outcome === 'tests_pass' && "
+                               "document.querySelector('[data-turn=\"result-1\"]')", timeout=120_000)
+        assert badge.inner_text() == "finished, tests pass"
+        header = page.locator(".turn-user .turn-header").inner_text()
+        assert header == "Follow-up from owner · warm workspace", header
+        assert page.locator("[data-turn=result-0]").count() == 1  # the first run's result stays in the conversation
+        assert _gap_below_last_turn(page) < 80
+        _shot(page, "06-followup-verified")
+
+        page.click("[data-role=create-branch]")
+        page.wait_for_selector("[data-role=branch-name]")
+        assert page.locator("[data-role=branch-name]").inner_text() == f"flowstate/task-{task_id}"
+        assert page.locator("[data-role=bundle]").count() == 1
+        page.wait_for_function("() => flowstateTrace.events.length > 30 && flowstateTrace.status === 'succeeded'")
+        _shot(page, "07-branch")
 
         page.goto(f"{base}/tasks/traces/?outcome=tests_pass")
         assert page.locator(f"tr[data-task='{task_id}']").count() == 1
         assert "finished, tests pass" in page.locator(f"tr[data-task='{task_id}']").inner_text()
-        _shot(page, "05-trace-filter")
+        _shot(page, "08-trace-filter")
 
         page.goto(f"{base}/api/docs/")
         page.wait_for_selector(".swagger-ui .opblock", timeout=30_000)
         assert page.locator(".swagger-ui .opblock").count() > 5
         assert "Flowstate API" in page.locator(".swagger-ui .title").first.inner_text()
-        _shot(page, "06-api-docs")
+        _shot(page, "09-api-docs")
+
+        # make run's seeded experiment (real scripted rollouts, labelled not trained): its plots render.
+        page.goto(f"{base}/experiments/")
+        assert page.locator("fieldset.config-section").count() >= 5
+        _shot(page, "10-experiment-form")
+        page.goto(f"{base}/experiments/{experiment.pk}/")
+        page.wait_for_selector("#chart-mean_reward canvas, #chart-mean_reward svg", timeout=30_000)
+        assert "not trained" in page.content()
+        _shot(page, "11-seeded-experiment-plots")
+        page.goto(f"{base}/experiments/{experiment.pk}/groups/seeded-1/")
+        assert page.locator("text=open trace").count() == 2
+        _shot(page, "12-seeded-group")
     assert outside_requests == [], f"the pages asked other hosts for: {outside_requests[:5]}"

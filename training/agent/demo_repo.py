@@ -18,6 +18,13 @@ _FIXED_LINES = (
     "    return ordered[middle]\n"
 )
 
+_MEDIAN_HEAD = "def median(values):\n    if not values:\n"
+_MEDIAN_DOCUMENTED = (
+    "def median(values):\n"
+    "    \"\"\"The middle value; for an even count, the mean of the two middle values.\"\"\"\n"
+    "    if not values:\n"
+)
+
 DEMO_FILES: dict[str, str] = {
     "README.md": "# stats\n\nSmall descriptive statistics helpers.\n\nRun the tests with `python3 -m unittest discover -s tests`.\n",
     "stats/__init__.py": "from stats.summary import mean, median\n\n__all__ = [\"mean\", \"median\"]\n",
@@ -98,6 +105,16 @@ def demo_expert_policy(*, step_delay_s: float = 0.0) -> ScriptedExpertPolicy:
                 ("todo_write", {"todos": done}),
             )),
         ],
+        followup_turns=[
+            ScriptedTurn("Document median, then run the whole suite again.", (
+                ("edit_file", {"path": "stats/summary.py", "old_str": _MEDIAN_HEAD, "new_str": _MEDIAN_DOCUMENTED}),
+            )),
+            ScriptedTurn("Verify again.", (("run_terminal", {"command": TEST_COMMAND}),)),
+        ],
+        followup_reply=(
+            "Scripted follow-up (not a model) for your message \"{request}\": documented median in "
+            "stats/summary.py and ran the suite again."
+        ),
         final_message=(
             "Fixed `median` in stats/summary.py: for an even number of values it now averages the two "
             "middle elements instead of returning the upper one. All tests pass."

@@ -4,6 +4,9 @@ Every step is reported through ``on_event`` as a dict ``{"seq", "kind", "turn", 
 with kinds:
 
 - ``start``: prompt, policy name, limits.
+- ``user_message``: a further user turn of the same conversation (``content`` plus the caller's
+  ``user_meta``): a follow-up continuing a finished run (``history``) or one delivered when the
+  agent stopped (``next_message``).
 - ``turn_start``: a model call begins (``payload.context_tokens`` estimates the prompt size).
 - ``model_output``: content, tool call count, prompt/completion tokens, duration.
 - ``tool_call``: one requested call (``call_id``, ``name``, ``arguments``, ``index``/``count``
@@ -89,6 +92,10 @@ def run_agent(
     system_prompt: str = SYSTEM_PROMPT,
     first_seq: int = 0,
     disabled_tools: Collection[str] = (),
+    history: list[dict] | None = None,
+    first_turn: int = 0,
+    next_message: Callable[[], tuple[str, dict] | None] | None = None,
+    user_meta: dict[str, Any] | None = None,
 ) -> AgentResult:
     """Run the agent until it answers without tool calls, a limit is hit, or ``should_stop``
     returns a reason (checked before every model call and tool batch; status ``cancelled``).
@@ -99,15 +106,24 @@ def run_agent(
     ``disabled_tools`` are still offered (the prompt stays the same) but every call to one is answered
     with an error instead of running: an ablation that measures what a tool's results add without
     changing what the model sees before it calls it.
+
+    Conversations: with ``history`` (an earlier run's ``AgentResult.messages``) the run continues
+    that context with ``prompt`` as the next user message (a ``user_message`` event instead of
+    ``start``), numbering turns after ``first_turn``. ``next_message`` is asked whenever the model
+    answers without tool calls: a ``(content, meta)`` it returns becomes the next user message and
+    the run goes on instead of finishing.
     """
     if not prompt or not prompt.strip():
         raise ValueError("run_agent needs a non-empty prompt")
     run = _AgentRun(
         sandbox=sandbox, policy=policy, prompt=prompt, limits=limits, on_event=on_event,
-        system_prompt=system_prompt, first_seq=first_seq,
+        system_prompt=system_prompt, first_seq=first_seq, history=history, first_turn=first_turn,
     )
-    run.emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
-                       "tools": [tool["function"]["name"] for tool in run.tools]})
+    if history:
+        run.emit("user_message", {"content": prompt, "policy": policy.name, **(user_meta or {})})
+    else:
+        run.emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
+                           "tools": [tool["function"]["name"] for tool in run.tools]})
     try:
         while True:
             if should_stop is not None and (stop_reason := should_stop()):
@@ -121,7 +137,13 @@ def run_agent(
                 continue
             model_turn = run.model_turn()
             if not model_turn.tool_calls:
-                return run.finish("succeeded", "the agent answered without further tool calls", model_turn.content)
+                following = next_message() if next_message is not None else None
+                if following is None:
+                    return run.finish("succeeded", "the agent answered without further tool calls", model_turn.content)
+                content, meta = following
+                run.emit("user_message", {"content": content, "policy": policy.name, **meta})
+                run.messages.append({"role": "user", "content": content})
+                continue
             if should_stop is not None and (stop_reason := should_stop()):
                 return run.finish("cancelled", stop_reason)
             run.tool_calls(model_turn.tool_calls, disabled_tools=disabled_tools)
@@ -149,14 +171,17 @@ class _AgentRun:
         on_event: Callable[[dict], None] | None,
         system_prompt: str,
         first_seq: int,
+        history: list[dict] | None = None,
+        first_turn: int = 0,
     ) -> None:
         self.started = time.monotonic()
         self.sandbox, self.policy, self.prompt, self.limits, self.on_event = sandbox, policy, prompt, limits, on_event
         self.tools = openai_tool_schemas()
         self.events: list[dict] = []
         self.seq = first_seq
-        self.turn = 0
-        self.messages: list[dict] = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+        self.first_turn = self.turn = first_turn
+        self.messages: list[dict] = [*(history or [{"role": "system", "content": system_prompt}]),
+                                     {"role": "user", "content": prompt}]
         self.totals = {"prompt": 0, "completion": 0}
         self.completions: list[dict] = []
         self.summaries = 0
@@ -199,7 +224,7 @@ class _AgentRun:
             return f"wall time limit of {limits.wall_time_s:g}s reached after {self.turn} turns"
         if self.totals["completion"] >= limits.max_tokens:
             return f"token budget of {limits.max_tokens} completion tokens used up"
-        if self.turn >= limits.max_turns:
+        if self.turn - self.first_turn >= limits.max_turns:  # limits apply to each run of a conversation
             return f"turn limit of {limits.max_turns} reached without a final answer"
         return None
 

@@ -37,7 +37,13 @@ class ScriptedExpertPolicy:
     step_delay_s: float = 0.0
     """Seconds to wait before each response, so a human (or a browser test) can watch it live."""
     name: str = SCRIPTED_MODEL_NAME
+    followup_turns: list[ScriptedTurn] = field(default_factory=list)
+    """Turns played after each further user message of the conversation (a follow-up)."""
+    followup_reply: str = "Follow-up done: {request}"
+    """The answer that ends a follow-up; ``{request}`` is the user's message."""
     _played: int = field(default=0, init=False)
+    _followup: int | None = field(default=None, init=False)
+    _request: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         if self.step_delay_s < 0 or self.step_delay_s > 60:
@@ -57,18 +63,27 @@ class ScriptedExpertPolicy:
             return PolicyTurn(content=content, tool_calls=[], prompt_tokens=prompt_tokens,
                               completion_tokens=len(content) // 4, tokens_estimated=True,
                               duration_s=time.monotonic() - started)
-        if self._played >= len(self.turns):
-            content = self.final_message
-            calls: list[PolicyToolCall] = []
-        else:
-            turn = self.turns[self._played]
-            content = turn.content
-            calls = [
-                PolicyToolCall(id=f"call_{self._played + 1}_{index}", name=name, arguments_json=json.dumps(arguments))
-                for index, (name, arguments) in enumerate(turn.calls)
-            ]
-            self._played += 1
+        content, calls = self._next_turn(messages)
         completion_tokens = (len(content) + sum(len(c.arguments_json) for c in calls)) // 4
         return PolicyTurn(content=content, tool_calls=calls, prompt_tokens=prompt_tokens,
                           completion_tokens=max(1, completion_tokens), tokens_estimated=True,
                           finish_reason="tool_calls" if calls else "stop", duration_s=time.monotonic() - started)
+
+    def _next_turn(self, messages: list[dict]) -> tuple[str, list[PolicyToolCall]]:
+        last = messages[-1] if messages else {}
+        if last.get("role") == "user" and sum(1 for m in messages if m.get("role") == "user") > 1:
+            self._followup, self._request = 0, str(last.get("content") or "")  # a follow-up starts
+        if self._followup is not None:
+            if self._followup >= len(self.followup_turns):
+                self._followup = None
+                return self.followup_reply.format(request=self._request), []
+            turn, prefix = self.followup_turns[self._followup], f"followup_{self._followup + 1}"
+            self._followup += 1
+        elif self._played >= len(self.turns):
+            return self.final_message, []
+        else:
+            turn, prefix = self.turns[self._played], str(self._played + 1)
+            self._played += 1
+        calls = [PolicyToolCall(id=f"call_{prefix}_{index}", name=name, arguments_json=json.dumps(arguments))
+                 for index, (name, arguments) in enumerate(turn.calls)]
+        return turn.content, calls

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 
 from webapp.core.models import OwnedModel
@@ -156,3 +157,63 @@ class TaskEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.seq} {self.kind}"
+
+
+class TaskFollowUp(models.Model):
+    """A further user message to a task: the agent continues the same conversation and workspace.
+
+    ``pending`` until the agent takes it (webapp.agents.followups): when a running agent stops, or in
+    a continuation run of a finished task (in the warm sandbox, else rebuilt from snapshot + patch).
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        DROPPED = "dropped"
+
+    task = models.ForeignKey(AgentTask, on_delete=models.CASCADE, related_name="followups")
+    author = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    message = models.TextField()
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING, db_index=True)
+    status_reason = models.CharField(max_length=500, blank=True)
+    workspace = models.CharField(max_length=10, blank=True, help_text="'warm' or 'rebuilt': where it ran.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("task", "created_at", "id")
+
+    def __str__(self) -> str:
+        return f"follow-up {self.pk} of task {self.task_id} ({self.status})"
+
+
+class TaskBranch(models.Model):
+    """The git branch ``flowstate/task-<id>`` holding a finished task's changes (webapp.agents.branches)."""
+
+    task = models.OneToOneField(AgentTask, on_delete=models.CASCADE, related_name="branch")
+    name = models.CharField(max_length=200)
+    base_commit = models.CharField(max_length=64)
+    commit = models.CharField(max_length=64)
+    message = models.TextField()
+    bundle_path = models.CharField(max_length=1000, help_text="git bundle of the branch, under STATE_DIR.")
+    diff_digest = models.CharField(max_length=64, help_text="sha256 of the diff the commit holds.")
+    pushed_to = models.CharField(max_length=1000, blank=True, help_text="Remote URL without credentials.")
+    push_error = models.CharField(max_length=1000, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.commit[:12]}"
+
+
+class RepositoryCredential(models.Model):
+    """Push credentials of a git repository: the secret is Fernet-encrypted (FLOWSTATE_CREDENTIALS_KEY),
+    write-only (never rendered or returned) and used only by the host's ``git push``, never in a sandbox."""
+
+    repository = models.OneToOneField(Repository, on_delete=models.CASCADE, related_name="credential")
+    username = models.CharField(max_length=200)
+    secret_encrypted = models.BinaryField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"push credentials of {self.repository}"

@@ -398,17 +398,19 @@ def task_snapshot_record(*, task_id: int, claim_token, snapshot_id: str) -> bool
     return bool(AgentTask.objects.filter(pk=task_id, claim_token=claim_token).update(snapshot_id=snapshot_id))
 
 
-def task_run(*, task_id: int) -> str:
+def task_run(*, task_id: int, keep_warm: bool = False) -> str:
     """Claim the task, run the agent in a fresh sandbox, store every event and the outcome.
 
     Returns a short note for the Celery result. Errors of the sandbox or policy server end the
     task as ``failed`` with the reason; nothing is left ``running`` unless this process dies, in
     which case the sweeper (``tasks_recover_stale``) hands it to a new claim once the heartbeat
-    goes stale. The agent stops at its next step once the claim is lost.
+    goes stale. The agent stops at its next step once the claim is lost. Follow-ups sent meanwhile
+    are taken when the agent stops; ``keep_warm`` (Celery runs) then keeps the sandbox for more
+    (webapp.agents.followups).
     """
     from sandboxes.base import SandboxError
     from training.agent.loop import AgentStopped, run_agent
-    from webapp.agents import verify
+    from webapp.agents import followups, verify
 
     claimed = _db_retry(lambda: task_claim(task_id=task_id), what=f"claiming task {task_id}")
     if claimed is None:
@@ -448,12 +450,16 @@ def task_run(*, task_id: int) -> str:
             return "cancelled by the user" if current[0] else None
 
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
-                           should_stop=should_stop, first_seq=task.last_seq + 1)
+                           should_stop=should_stop, first_seq=task.last_seq + 1,
+                           next_message=followups.next_message_for(task_id=task_id))
         if result.status == AgentTask.Status.SUCCEEDED:  # the loop stopped: do the tests pass?
             verify.task_verify(task=task, claim_token=token, sandbox=sandbox, diff=result.diff, turn=result.turns,
                                on_event=on_event)
         finished = _db_retry(lambda: task_finish(task_id=task_id, claim_token=token, result=result),
                              what=f"storing the outcome of task {task_id}")
+        if finished:
+            stop_heartbeat.set()
+            followups.after_run(task_id=task_id, sandbox=sandbox, keep_warm=keep_warm)
         return f"{result.status}: {result.reason}" if finished else "claim lost to another worker"
     except Exception as exc:
         logger.exception("task %s crashed", task_id)

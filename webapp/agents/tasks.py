@@ -6,7 +6,7 @@ import logging
 import threading
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 logger = logging.getLogger(__name__)
 _stop_sweeping = threading.Event()
@@ -14,9 +14,12 @@ _stop_sweeping = threading.Event()
 
 @shared_task(name="agents.task_run", acks_late=True, reject_on_worker_lost=True)
 def agent_task_run(task_id: int) -> str:
+    from webapp.agents import followups
     from webapp.agents.services import task_run
 
-    return task_run(task_id=int(task_id))
+    if followups.is_continuation(task_id=int(task_id)):  # a follow-up of a finished task no warm worker took
+        return followups.continuation_run(task_id=int(task_id))
+    return task_run(task_id=int(task_id), keep_warm=True)
 
 
 def _sweep_once() -> None:
@@ -78,3 +81,11 @@ def _recover_stale_tasks(**_kwargs) -> None:
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
     _stop_sweeping.set()
+
+
+@worker_shutting_down.connect
+def _end_warm_waits(**_kwargs) -> None:
+    # A worker keeping a finished task's sandbox warm (webapp.agents.followups) lets it go at once.
+    from webapp.agents.followups import stop_warm_waits
+
+    stop_warm_waits()

@@ -119,7 +119,8 @@ def repository_list(request):
 def task_detail(request, pk: int):
     task = selectors.task_get(user=request.user, pk=pk)
     return render(request, "agents/task_detail.html", {
-        "task": task, "can_change": task.owner_id == request.user.pk,
+        "task": task, "can_change": task.owner_id == request.user.pk, "branch": getattr(task, "branch", None),
+        "pending_followups": task.followups.filter(status="pending").count(),
         "share_url": request.build_absolute_uri(), "tools_used": selectors.task_tools_used(task=task),
         "index_progress": selectors.task_index_progress(task=task),
     })

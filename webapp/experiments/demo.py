@@ -9,14 +9,18 @@ DEMO_SUITE = "toy-heldout-5"
 
 
 def demo_seed(*, user) -> str:
-    """Idempotent: runs the scripted upper bound on a small held-out suite once (a few seconds)."""
+    """Idempotent: runs the scripted upper bound on a small held-out suite once (a few seconds), and
+    seeds one small finished experiment (webapp.experiments.demo_experiment: real rollouts, not trained)."""
+    from webapp.experiments.demo_experiment import demo_experiment_seed
+
+    seeded = demo_experiment_seed(user=user)
     existing = BenchmarkRun.objects.filter(
         owner=user, suite=DEMO_SUITE, policy_kind=BenchmarkRun.PolicyKind.SCRIPTED, status=BenchmarkRun.Status.FINISHED
     ).first()
     if existing is not None:
-        return f"benchmark run {existing.pk} on {DEMO_SUITE} already present"
+        return f"benchmark run {existing.pk} on {DEMO_SUITE} already present; {seeded}"
     run = benchmark_run_create(
         owner=user, team=user.teams.first(), suite=DEMO_SUITE, policy="scripted", attempts=1, enqueue=False
     )
     run = benchmark_run_execute(run_id=run.pk)
-    return f"benchmark run {run.pk} on {DEMO_SUITE}: pass@1 {run.summary.get('pass_at_1')}"
+    return f"benchmark run {run.pk} on {DEMO_SUITE}: pass@1 {run.summary.get('pass_at_1')}; {seeded}"

@@ -49,6 +49,30 @@ class ExperimentForm(forms.Form):
                 options["max_length"] = MAX_STRING_CHARS
             self.fields[spec["name"]] = field_class(**options)
 
+    def sections(self) -> list[dict]:
+        """The config fields in sections (webapp.experiments.form_groups): title, shown fields, advanced ones."""
+        from training.rollout.config import AsyncRLConfig
+        from webapp.experiments.form_groups import GROUPS, config_sections
+
+        names = [name for name in self.fields if name not in ("name", "share_with_team")]
+        placed = config_sections(AsyncRLConfig, names)
+        sections = []
+        for key, title in GROUPS:
+            members = [self[name] for name in names if placed[name][0] == key]
+            if members:
+                sections.append({"key": key, "title": title,
+                                 "fields": [field for field in members if not placed[field.name][1]],
+                                 "advanced": [field for field in members if placed[field.name][1]]})
+        return sections
+
+    def presets(self) -> dict[str, str]:
+        """{label: JSON of the field values it sets} for the preset buttons."""
+        import json
+
+        from webapp.experiments.form_groups import presets_for
+
+        return {label: json.dumps(values) for label, values in presets_for(list(self.fields)).items()}
+
     def config(self) -> dict:
         """The cleaned config fields (without the name and the sharing), for experiment_create."""
         values = {key: value for key, value in self.cleaned_data.items() if key not in ("name", "share_with_team")}
