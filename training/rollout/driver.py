@@ -197,7 +197,13 @@ def run_async_rl(
     def push_weights(version: int) -> float:
         started = time.monotonic()
         weights = ray.put({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
-        ray.get([actor.set_weights.remote(version, weights) for actor in inference_actors])
+        for ref in [actor.set_weights.remote(version, weights) for actor in inference_actors]:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as error:
+                # Its node left and Ray restarts it elsewhere: a restarted server loads the newest
+                # checkpoint (saved just before this push), so it comes back with these weights.
+                logger.warning("inference actor restarting, it reloads the checkpoint: %s", error)
         return time.monotonic() - started
 
     if state.version > 0:
