@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,10 +164,22 @@ def rollouts_on(nodes: int, *, slots: int, rollouts: int, repo: Path) -> dict:
 
     per_node = [slots // nodes + (1 if i < slots % nodes else 0) for i in range(nodes)]
     node = {"num_cpus": 1, "object_store_memory": 78 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "resources": {"sandbox_slots": per_node[0]}})
-    for count in per_node[1:]:
-        cluster.add_node(**node, resources={"sandbox_slots": count})
-    cluster.wait_for_nodes()
+    for attempt in range(3):  # on a loaded machine a raylet can miss Ray's fixed 30 s registration wait
+        try:
+            cluster = Cluster(initialize_head=True,
+                              head_node_args={**node, "resources": {"sandbox_slots": per_node[0]}})
+            for count in per_node[1:]:
+                cluster.add_node(**node, resources={"sandbox_slots": count})
+            cluster.wait_for_nodes()
+            break
+        except Exception as error:  # Ray raises a bare Exception for it
+            print(f"   cluster start failed (attempt {attempt + 1} of 3): {error}", flush=True)
+            try:
+                cluster.shutdown()
+            except Exception:
+                pass
+    else:
+        raise SystemExit("Ray could not start the cluster")
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     try:
         fleet = Fleet.start(FleetConfig(backend="local", heartbeat_sink=None, refresh_interval_s=0))
@@ -206,6 +219,9 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=6, help="sandbox slots in all, split over the nodes")
     parser.add_argument("--skip-viewers", action="store_true")
     parser.add_argument("--skip-rollouts", action="store_true")
+    parser.add_argument("--nodes", default="1,2,3", help="node counts of the rollouts part")
+    parser.add_argument("--rollouts-child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--repo", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import django
@@ -214,6 +230,10 @@ def main() -> int:
     events.ensure_database()
     from django.core.management import call_command
 
+    if args.rollouts_child:  # one cluster per process: Ray keeps per-process state between clusters
+        row = rollouts_on(args.rollouts_child, slots=args.slots, rollouts=args.rollouts, repo=Path(args.repo))
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
     call_command("migrate", verbosity=0)
     print(f"load before: {os.getloadavg()}", flush=True)
     if not args.skip_viewers:
@@ -225,8 +245,15 @@ def main() -> int:
         repo = write_demo_repository(Path(tempfile.mkdtemp(prefix="bench-viewers-")) / "demo")
         print(f"-- scripted-agent rollouts in fleet sandboxes, {args.slots} slots in all, {args.rollouts} rollouts "
               "per run (same cores)")
-        for nodes in (1, 2, 3):
-            row = rollouts_on(nodes, slots=args.slots, rollouts=args.rollouts, repo=repo)
+        for nodes in [int(n) for n in args.nodes.split(",")]:
+            child = subprocess.run([sys.executable, __file__, "--rollouts-child", str(nodes), "--slots",
+                                    str(args.slots), "--rollouts", str(args.rollouts), "--repo", str(repo)],
+                                   capture_output=True, text=True, timeout=1200)
+            rows = [line[4:] for line in child.stdout.splitlines() if line.startswith("ROW ")]
+            if not rows:
+                print(f"   {nodes} node(s): failed: {(child.stdout + child.stderr)[-600:]}", flush=True)
+                continue
+            row = json.loads(rows[0])
             print(f"   {nodes} node(s) {row['slots']}: {row['rollouts_per_s']:.2f} rollouts/s, "
                   f"driver CPU {row['driver_cpu_ms_per_rollout']:.1f} ms/rollout, {row['hosts_used']} hosts used, "
                   f"{row['succeeded']}/{row['rollouts']} succeeded, wall {row['wall_s']:.1f} s; "

@@ -202,7 +202,8 @@ SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(default_sandbox_root(STATE_DIR))
 RAY_ADDRESS = env_optional("RAY_ADDRESS")
 # Where cloud-agent (product) tasks get their sandbox: on the Celery worker's machine with
 # SANDBOX_BACKEND, or `fleet`: from the Ray sandbox fleet (fleet_serve's hosts, needs RAY_ADDRESS).
-AGENT_SANDBOX_BACKEND = env_choice("AGENT_SANDBOX_BACKEND", SANDBOX_BACKEND, ["local", "docker", "fleet"])
+# Unset: SANDBOX_BACKEND (read when a task starts).
+AGENT_SANDBOX_BACKEND = env_choice("AGENT_SANDBOX_BACKEND", "", ["", "local", "docker", "fleet"]) or None
 MODEL_CHECKPOINT = env_optional("FLOWSTATE_MODEL_CHECKPOINT")
 # /metrics: staff sessions, or a scraper sending `Authorization: Bearer <METRICS_TOKEN>` (unset: staff only).
 METRICS_TOKEN = env_optional("METRICS_TOKEN")

@@ -30,4 +30,4 @@ def test_fleet_is_a_backend_name_and_a_bad_agent_backend_stops_startup():
     assert isinstance(get_backend("fleet"), FleetBackend)
     result = _manage("check", AGENT_SANDBOX_BACKEND="flet")
     assert result.returncode != 0
-    assert "AGENT_SANDBOX_BACKEND='flet' is not one of ['local', 'docker', 'fleet']" in result.stderr
+    assert "AGENT_SANDBOX_BACKEND='flet' is not one of ['', 'local', 'docker', 'fleet']" in result.stderr

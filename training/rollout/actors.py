@@ -475,7 +475,13 @@ class ActorPool:
 
         started = time.monotonic()
         reference = ray.put(weights)
-        ray.get([actor.set_weights.remote(version, reference) for actor in self.inference_actors])
+        for ref in [actor.set_weights.remote(version, reference) for actor in self.inference_actors]:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as error:
+                # Its node left and Ray restarts it elsewhere: a restarted server loads the newest
+                # checkpoint (saved just before this push), so it comes back with these weights.
+                logger.warning("inference actor restarting, it reloads the checkpoint: %s", error)
         return time.monotonic() - started
 
     def pids(self) -> dict[str, list[int]]:

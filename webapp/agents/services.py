@@ -371,7 +371,7 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
     from sandboxes import get_backend
     from sandboxes.base import RepoSource, SandboxLimits
 
-    backend = get_backend(settings.AGENT_SANDBOX_BACKEND)
+    backend = get_backend(settings.AGENT_SANDBOX_BACKEND or settings.SANDBOX_BACKEND)
     if task.attempt > 1:
         # The previous attempt's worker is gone; its sandbox must not live on beside this one.
         try:

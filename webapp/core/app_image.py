@@ -3,8 +3,8 @@
 Built the way the sandbox image is (``sandboxes.image``): no container registry is reachable, so
 debootstrap writes a Debian root filesystem from the mirror in the machine's apt sources, the
 Python dependencies come as wheels from pip's own configured index or cache (``pip wheel``, run on
-the build machine), are installed into a virtual environment inside the root filesystem with
-``--no-index``, the project's files are copied in, and ``docker import`` makes the image. The
+the build machine) and are installed from that wheelhouse into a virtual environment inside the
+root filesystem (with the build machine's pip configuration for what the wheelhouse lacks), the project's files are copied in, and ``docker import`` makes the image. The
 Debian packages add PostgreSQL and Redis servers, so the compose file needs no image from a
 registry either (one image, several commands).
 """
@@ -139,8 +139,16 @@ def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
     inside = root / "tmp" / "wheels"
     shutil.copytree(wheels, inside)
     _run(["chroot", str(root), "python3", "-m", "venv", VENV_DIR], step="create venv")
-    _run(["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--no-index", "--find-links",
-          "/tmp/wheels", "flowstate"], step="install wheels", timeout=3600)
+    # The wheels were resolved by the build machine's Python; the image's python3 can be an older
+    # patch release whose environment markers want a dependency more (bookworm's 3.11.2 needs
+    # async-timeout for redis, 3.11.7 does not): the wheelhouse comes first, and the build machine's
+    # pip configuration (its index or mirror) is copied in for what it lacks.
+    if Path("/etc/pip.conf").is_file():
+        shutil.copy2("/etc/pip.conf", root / "etc" / "pip.conf")
+    if Path("/etc/xdg/pip").is_dir():  # pip.conf and the files it names (constraints)
+        shutil.copytree("/etc/xdg/pip", root / "etc" / "xdg" / "pip", dirs_exist_ok=True)
+    _run(["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels",
+          "flowstate"], step="install wheels", timeout=3600)
     shutil.rmtree(inside)
     state = root / "var" / "lib" / "flowstate"
     state.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,408 @@
+"""Extraction of repository archives (.tar, .tar.gz, .tgz, .zip) into a snapshot directory.
+
+One code path for zip and tar and for every backend. Nothing here reasons about paths as strings
+to decide where a write lands: every member is created relative to a directory file descriptor,
+each component opened with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` (``safe_fs``), so the
+kernel refuses any lookup that would pass through a symlink or leave the destination. Symlink
+members are written as links and never followed during extraction; hard-link members may only point
+at a regular file extracted earlier from the same archive (same inode as recorded). Devices, fifos,
+too many members and too many bytes (declared or actual) raise ``ArchiveRejected`` naming the
+member; a corrupt or truncated archive raises ``ArchiveRejected`` too, never a library exception.
+
+When the caller runs as root and names an unprivileged ``run_as`` owner, extraction happens in a
+child process under that uid (no capabilities, no new privileges, bounded address space and CPU
+time) that receives the archive and the destination as open file descriptors, so a bug in the
+extractor cannot write as root.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import posixpath
+import stat
+import subprocess
+import sys
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, BinaryIO
+
+from sandboxes.base import ArchiveRejected, PathOutsideWorkspace
+from sandboxes.safe_fs import open_beneath
+
+logger = logging.getLogger(__name__)
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REJECTED_EXIT = 3
+CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
+"""Address-space limit of the unprivileged extraction child."""
+CHILD_CPU_SECONDS = 300
+"""CPU-time limit of the unprivileged extraction child."""
+MAX_LINK_TARGET = 4096
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """Bounds on what an archive may contain."""
+
+    max_members: int = 50_000
+    """Most entries (files, dirs, links) accepted."""
+    max_total_bytes: int = 1024 * 1024 * 1024
+    """Most uncompressed bytes across all members."""
+    max_member_bytes: int = 256 * 1024 * 1024
+    """Most uncompressed bytes in one member."""
+
+    def __post_init__(self) -> None:
+        if min(self.max_members, self.max_total_bytes, self.max_member_bytes) <= 0:
+            raise ValueError("ArchiveLimits fields must all be positive")
+        if self.max_member_bytes > self.max_total_bytes:
+            raise ValueError("ArchiveLimits.max_member_bytes cannot exceed max_total_bytes; lower it")
+
+
+@dataclass
+class _Member:
+    name: str
+    kind: str
+    """'file', 'dir', 'symlink', 'hardlink' or 'special'."""
+    size: int
+    mode: int
+    link: str = ""
+    opener: Callable[[], IO[bytes]] | None = None
+
+
+def _check_name(name: str) -> str:
+    if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        raise ArchiveRejected(f"archive member {name!r} has an absolute path")
+    if "\x00" in name:
+        raise ArchiveRejected(f"archive member {name!r} contains a NUL byte")
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ArchiveRejected(f"archive member {name!r} contains '..'")
+    return "/".join(parts)
+
+
+def _check_link(member: str, target: str) -> None:
+    # Not the defence (links are never followed while extracting); it keeps obviously hostile
+    # links out of the workspace the agent later reads.
+    if not target or target.startswith("/") or "\x00" in target:
+        raise ArchiveRejected(f"archive link {member!r} points to absolute path {target!r}")
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(member), target))
+    if resolved == ".." or resolved.startswith("../"):
+        raise ArchiveRejected(f"archive link {member!r} -> {target!r} points outside the archive")
+
+
+# --- Reading members ---------------------------------------------------------------------------
+
+def _zip_members(zf: zipfile.ZipFile) -> Iterator[_Member]:
+    for info in zf.infolist():
+        mode = info.external_attr >> 16
+        if stat.S_ISLNK(mode):
+            with zf.open(info) as src:
+                target = src.read(MAX_LINK_TARGET + 1)
+            if len(target) > MAX_LINK_TARGET:
+                raise ArchiveRejected(f"archive link {info.filename!r} has a target over {MAX_LINK_TARGET} bytes")
+            yield _Member(info.filename, "symlink", 0, 0, target.decode("utf-8", "replace"))
+        elif info.is_dir() or stat.S_ISDIR(mode):
+            yield _Member(info.filename, "dir", 0, mode & 0o777)
+        elif stat.S_IFMT(mode) and not stat.S_ISREG(mode):
+            yield _Member(info.filename, "special", 0, 0)
+        else:
+            yield _Member(info.filename, "file", info.file_size, mode & 0o777, opener=lambda i=info: zf.open(i))
+
+
+def _tar_members(tar: tarfile.TarFile) -> Iterator[_Member]:
+    for info in tar:
+        if info.issym():
+            yield _Member(info.name, "symlink", 0, 0, info.linkname)
+        elif info.islnk():
+            yield _Member(info.name, "hardlink", 0, 0, info.linkname)
+        elif info.isdir():
+            yield _Member(info.name, "dir", 0, info.mode & 0o777)
+        elif info.isfile():
+            yield _Member(info.name, "file", info.size, info.mode & 0o777,
+                          opener=lambda i=info: tar.extractfile(i))
+        else:
+            yield _Member(info.name, "special", 0, 0)
+
+
+# --- Writing members relative to a directory fd ------------------------------------------------
+
+def _open_dir(root_fd: int, relative: str, *, create: bool, member: str) -> int:
+    """Open (creating if asked) directory ``relative`` below root_fd; no component may be a symlink."""
+    current = os.dup(root_fd)
+    try:
+        for part in [p for p in relative.split("/") if p]:
+            try:
+                child = open_beneath(current, part, os.O_RDONLY | os.O_DIRECTORY, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    raise ArchiveRejected(f"archive member {member!r} refers to {relative!r}, which was not extracted") from None
+                os.mkdir(part, 0o755, dir_fd=current)
+                child = open_beneath(current, part, os.O_RDONLY | os.O_DIRECTORY, follow_symlinks=False)
+            os.close(current)
+            current = child
+        return current
+    except PathOutsideWorkspace:
+        os.close(current)
+        raise ArchiveRejected(f"archive member {member!r} would be written through a symlink; refused") from None
+    except NotADirectoryError:
+        os.close(current)
+        raise ArchiveRejected(f"archive member {member!r} needs {relative!r} to be a directory") from None
+    except BaseException:
+        os.close(current)
+        raise
+
+
+def _clear(parent_fd: int, base: str, member: str) -> None:
+    """Remove an earlier member of the same name (tar lets later members win); never a directory."""
+    try:
+        info = os.stat(base, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        raise ArchiveRejected(f"archive member {member!r} would replace a directory")
+    os.unlink(base, dir_fd=parent_fd)
+
+
+class _Extractor:
+    def __init__(self, dest_fd: int, limits: ArchiveLimits) -> None:
+        self.dest_fd = dest_fd
+        self.limits = limits
+        self.count = 0
+        self.total = 0
+        self.files: dict[str, tuple[int, int]] = {}
+        """Regular files this archive created: name -> (st_dev, st_ino), the only hard-link targets."""
+
+    def add(self, member: _Member) -> None:
+        self.count += 1
+        if self.count > self.limits.max_members:
+            raise ArchiveRejected(f"archive has more than {self.limits.max_members} members")
+        if member.kind == "special":
+            raise ArchiveRejected(f"archive member {member.name!r} is a device, fifo or other special file")
+        name = _check_name(member.name)
+        if not name:
+            return
+        if member.size > self.limits.max_member_bytes:
+            raise ArchiveRejected(f"archive member {member.name!r} is {member.size} bytes, over the "
+                                  f"{self.limits.max_member_bytes}-byte limit")
+        if member.kind == "symlink":
+            _check_link(name, member.link)
+        parent, _, base = name.rpartition("/")
+        parent_fd = _open_dir(self.dest_fd, parent, create=True, member=member.name)
+        try:
+            if member.kind == "dir":
+                self._mkdir(parent_fd, base, member)
+            else:
+                _clear(parent_fd, base, member.name)
+                self.files.pop(name, None)
+                if member.kind == "symlink":
+                    os.symlink(member.link, base, dir_fd=parent_fd)
+                elif member.kind == "hardlink":
+                    self._hardlink(parent_fd, base, name, member)
+                else:
+                    self._write(parent_fd, base, name, member)
+        finally:
+            os.close(parent_fd)
+
+    def _mkdir(self, parent_fd: int, base: str, member: _Member) -> None:
+        try:
+            os.mkdir(base, 0o755, dir_fd=parent_fd)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.stat(base, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                raise ArchiveRejected(f"archive member {member.name!r} is a directory over an existing file or link") from None
+
+    def _write(self, parent_fd: int, base: str, name: str, member: _Member) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = open_beneath(parent_fd, base, flags, 0o600, follow_symlinks=False)
+        try:
+            written = 0
+            with member.opener() as src:
+                while chunk := src.read(1 << 20):
+                    written += len(chunk)
+                    self.total += len(chunk)
+                    if written > self.limits.max_member_bytes or written > member.size:
+                        raise ArchiveRejected(f"archive member {member.name!r} inflates past its declared size")
+                    if self.total > self.limits.max_total_bytes:
+                        raise ArchiveRejected(f"archive unpacks to more than {self.limits.max_total_bytes} bytes")
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view):]
+            os.fchmod(fd, (member.mode & 0o755) | 0o600 if member.mode else 0o644)
+            info = os.fstat(fd)
+            self.files[name] = (info.st_dev, info.st_ino)
+        finally:
+            os.close(fd)
+
+    def _hardlink(self, parent_fd: int, base: str, name: str, member: _Member) -> None:
+        target = _check_name(member.link)
+        recorded = self.files.get(target)
+        if recorded is None:
+            raise ArchiveRejected(f"archive hard link {member.name!r} -> {member.link!r} does not point at a regular "
+                                  "file extracted earlier from the same archive")
+        target_parent, _, target_base = target.rpartition("/")
+        source_fd = _open_dir(self.dest_fd, target_parent, create=False, member=member.name)
+        try:
+            info = os.stat(target_base, dir_fd=source_fd, follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != recorded:
+                raise ArchiveRejected(f"archive hard link {member.name!r} -> {member.link!r}: the target changed")
+            os.link(target_base, base, src_dir_fd=source_fd, dst_dir_fd=parent_fd, follow_symlinks=False)
+        finally:
+            os.close(source_fd)
+        self.files[name] = recorded
+
+
+def _extract_stream(archive: BinaryIO, dest_fd: int, limits: ArchiveLimits, label: str) -> None:
+    extractor = _Extractor(dest_fd, limits)
+    try:
+        if zipfile.is_zipfile(archive):
+            archive.seek(0)
+            with zipfile.ZipFile(archive) as zf:
+                for member in _zip_members(zf):
+                    extractor.add(member)
+            return
+        archive.seek(0)
+        try:
+            tar = tarfile.open(fileobj=archive, mode="r:*")  # noqa: SIM115 - closed by the with block below
+        except tarfile.TarError as exc:
+            raise ArchiveRejected(f"{label} is neither a zip nor a readable tar archive: {exc}") from None
+        with tar:
+            for member in _tar_members(tar):
+                extractor.add(member)
+    except ArchiveRejected:
+        raise
+    except PathOutsideWorkspace as exc:
+        raise ArchiveRejected(f"archive member refused: {exc}") from None
+    except (zipfile.BadZipFile, zlib.error, tarfile.TarError, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise ArchiveRejected(f"{label} is corrupt or truncated and cannot be extracted ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise ArchiveRejected(f"{label} does not fit on the disk") from None
+        raise ArchiveRejected(f"{label} could not be extracted ({exc.strerror or exc})") from None
+
+
+# --- Entry points --------------------------------------------------------------------------------
+
+def extract_archive(archive: Path, destination: Path, *, limits: ArchiveLimits | None = None,
+                    run_as: tuple[int, int] | None = None) -> None:
+    """Extract ``archive`` into ``destination`` (created if missing; must be empty).
+
+    ``run_as`` (uid, gid): when this process is root, extract in a child with that identity, no
+    capabilities and bounded memory/CPU; the files end up owned by it.
+    """
+    limits = limits or ArchiveLimits()
+    if not archive.is_file():
+        raise ArchiveRejected(f"archive {archive.name} does not exist or is not a file")
+    destination.mkdir(exist_ok=True)
+    if any(destination.iterdir()):
+        raise ArchiveRejected(f"extraction destination {destination} is not empty")
+    dest_fd = os.open(destination, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with open(archive, "rb") as stream:
+            if run_as is not None and os.geteuid() == 0:
+                os.fchown(dest_fd, *run_as)
+                _extract_in_child(stream, dest_fd, limits, run_as, archive.name)
+            else:
+                _extract_stream(stream, dest_fd, limits, archive.name)
+    finally:
+        os.close(dest_fd)
+
+
+def _reachable_by_anyone(path: str) -> bool:
+    """Whether a user with no privileges can reach (o+x on every directory) and read/execute ``path``."""
+    real = os.path.realpath(path)
+    parts = Path(real).parents
+    if any(not os.stat(parent).st_mode & stat.S_IXOTH for parent in parts):
+        return False
+    return bool(os.stat(real).st_mode & (stat.S_IROTH | stat.S_IXOTH))
+
+
+def child_python() -> str | None:
+    """An interpreter an unprivileged uid can run with this package importable, or None."""
+    if not _reachable_by_anyone(_REPO_ROOT):
+        return None
+    for candidate in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(candidate) and _reachable_by_anyone(candidate):
+            return candidate
+    return None
+
+
+def _extract_in_child(stream: BinaryIO, dest_fd: int, limits: ArchiveLimits, run_as: tuple[int, int],
+                      label: str) -> None:
+    # A fresh interpreter, not a fork of the worker: a fork would run the worker's at-fork handlers
+    # and could block on locks other threads held (seen: LocalBackend's handler closing a pipe).
+    python = child_python()
+    if python is not None:  # setpriv drops privileges before the interpreter starts
+        prefix = unprivileged_prefix(run_as, memory_bytes=CHILD_MEMORY_BYTES, cpu_seconds=CHILD_CPU_SECONDS)
+        drop = "-"
+    else:
+        # The checkout (or every interpreter) is out of the sandbox uid's reach, e.g. a clone in /root:
+        # start as root, import what extraction needs, then drop to run_as before reading a byte.
+        prefix, python, drop = [], sys.executable, f"{run_as[0]}:{run_as[1]}"
+    code = (f"import sys; sys.path.insert(0, {_REPO_ROOT!r}); "
+            "from sandboxes.archives import _child_main; raise SystemExit(_child_main())")
+    argv = [*prefix, python, "-I", "-c", code, json.dumps(asdict(limits)), label, str(dest_fd), drop]
+    result = subprocess.run(argv, stdin=stream, capture_output=True, pass_fds=(dest_fd,), timeout=CHILD_CPU_SECONDS * 2,
+                            check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
+    if result.returncode == _REJECTED_EXIT:
+        raise ArchiveRejected(result.stdout.decode("utf-8", "replace").strip()[:2000])
+    if result.returncode != 0:
+        raise ArchiveRejected(f"{label} could not be extracted (the extractor exited with {result.returncode})")
+
+
+def _privileges_drop(uid: int, gid: int) -> None:
+    """In the extraction child started as root: what ``unprivileged_prefix`` does, from inside.
+
+    Modules that extraction imports lazily are imported first (the interpreter's own files may be out
+    of ``uid``'s reach); then rlimits, an empty capability bounding set, the ids, and no new privileges.
+    Changing every uid away from 0 clears the permitted and effective capabilities."""
+    import ctypes
+    import importlib
+    import resource
+
+    for module in ("gzip", "bz2", "lzma", "encodings.cp437", "encodings.utf_8", "encodings.latin_1"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an interpreter built without it cannot open such archives anyway
+            pass
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, pr_set_no_new_privs = 24, 38
+    for capability in range(64):
+        if libc.prctl(pr_capbset_drop, capability, 0, 0, 0) != 0:
+            break  # EINVAL: past the last capability this kernel knows
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0 or 0 in os.getresuid():
+        raise SystemExit("could not drop privileges")
+
+
+def unprivileged_prefix(run_as: tuple[int, int], *, memory_bytes: int, cpu_seconds: int) -> list[str]:
+    """argv prefix that runs a command as ``run_as`` with no capabilities, no new privileges and rlimits."""
+    uid, gid = run_as
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
+            "--inh-caps=-all", "--bounding-set=-all",
+            "prlimit", f"--as={memory_bytes}", f"--cpu={cpu_seconds}", "--core=0", "--"]
+
+
+def _child_main() -> int:
+    limits = ArchiveLimits(**json.loads(sys.argv[1]))
+    label, dest_fd, drop = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    if drop != "-":
+        uid, gid = (int(part) for part in drop.split(":"))
+        _privileges_drop(uid, gid)
+    try:
+        with os.fdopen(0, "rb", closefd=False) as stream:
+            _extract_stream(stream, dest_fd, limits, label)
+    except ArchiveRejected as exc:
+        sys.stdout.write(str(exc))
+        return _REJECTED_EXIT
+    return 0

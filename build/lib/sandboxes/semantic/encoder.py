@@ -1,0 +1,140 @@
+"""Sentence-transformers encoders, loaded offline and once per process, run by torch or ONNX Runtime.
+
+The hub is forced offline before the library is imported so that a missing local file is an error,
+never a download at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from sentence_transformers import SentenceTransformer
+
+_LOCK = threading.Lock()
+_ENCODERS: dict[tuple[str, int], SentenceTransformer] = {}
+
+
+def _force_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def load_encoder(*, path: str, max_seq_length: int) -> SentenceTransformer:
+    """The model at ``path`` on CPU (shared by every caller in this process)."""
+    key = (str(Path(path).resolve()), max_seq_length)
+    with _LOCK:
+        encoder = _ENCODERS.get(key)
+        if encoder is None:
+            _force_offline()
+            from sentence_transformers import SentenceTransformer
+
+            if not (Path(path) / "modules.json").is_file() and not (Path(path) / "config.json").is_file():
+                raise SemanticSearchError(
+                    f"{path} holds no sentence-transformers model (no modules.json or config.json); "
+                    "set SEMANTIC_ENCODER to a model directory"
+                )
+            encoder = SentenceTransformer(key[0], device="cpu", local_files_only=True)
+            encoder.max_seq_length = max_seq_length
+            encoder.eval()
+            _ENCODERS[key] = encoder
+        return encoder
+
+
+def encoder_fingerprint(path: str) -> str:
+    """Changes whenever the weights at ``path`` change, so an index never mixes two encoders."""
+    root = Path(path).resolve()
+    digest = hashlib.sha256(str(root).encode())
+    for weights in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def encode_texts(*, encoder: SentenceTransformer, texts: list[str], batch_size: int) -> np.ndarray:
+    """Unit-normalised float32 embeddings, one row per text (cosine similarity is a dot product)."""
+    if not texts:
+        dimension = encoder.get_embedding_dimension()
+        return np.zeros((0, dimension), dtype=np.float32)
+    vectors = encoder.encode(
+        texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+    )
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+class TorchTextEncoder:
+    """The reference path: sentence-transformers on torch (it sorts each call's texts by length)."""
+
+    name = "torch"
+
+    def __init__(self, model: SentenceTransformer) -> None:
+        self.model = model
+
+    @property
+    def dimension(self) -> int:
+        return int(self.model.get_embedding_dimension())
+
+    def encode(
+        self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
+    ) -> np.ndarray:
+        if progress is None:
+            return encode_texts(encoder=self.model, texts=texts, batch_size=batch_size)
+        step = batch_size * 16
+        parts = []
+        for start in range(0, len(texts), step):
+            parts.append(encode_texts(encoder=self.model, texts=texts[start:start + step], batch_size=batch_size))
+            progress(len(parts[-1]))
+        return np.concatenate(parts) if parts else encode_texts(encoder=self.model, texts=[], batch_size=1)
+
+
+class TextEncoder(Protocol):
+    name: str
+
+    @property
+    def dimension(self) -> int: ...
+
+    def encode(
+        self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
+    ) -> np.ndarray:
+        """Unit-normalised float32 rows, one per text; ``progress(n)`` after every ``n`` texts done."""
+
+
+_TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
+
+
+def encoder_tag(config: SemanticSearchConfig) -> str:
+    """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
+    return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}-s{config.max_seq_length}"
+
+
+def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:
+    """The encoder ``config`` asks for, loaded once per process; the ONNX export is cached under the index root."""
+    model = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
+    if config.encoder_backend == "torch":
+        return TorchTextEncoder(model)
+    cache_dir = Path(config.encoder_cache_dir) / encoder_fingerprint(config.encoder_path)
+    key = (str(Path(config.encoder_path).resolve()), config.max_seq_length, config.encoder_backend, str(cache_dir))
+    with _LOCK:
+        encoder = _TEXT_ENCODERS.get(key)
+    if encoder is not None:
+        return encoder
+    import torch
+
+    from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
+
+    onnx_path = onnx_model_path(model=model, cache_dir=cache_dir, backend=config.encoder_backend)
+    encoder = OnnxTextEncoder(
+        model=model, onnx_path=onnx_path, max_seq_length=config.max_seq_length, threads=torch.get_num_threads()
+    )
+    with _LOCK:
+        return _TEXT_ENCODERS.setdefault(key, encoder)

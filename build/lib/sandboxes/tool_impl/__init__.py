@@ -1,0 +1,1 @@
+"""Implementations behind ``sandboxes.tools``: one handler per tool plus shared text helpers."""

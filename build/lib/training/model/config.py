@@ -1,0 +1,259 @@
+"""Typed configuration of the policy model (decoder-only MoE transformer).
+
+One dataclass describes every size; named presets go from a CI-sized model that trains on a
+2-core CPU to multi-GPU sizes, so scaling is a config change and never a code change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Precision = Literal["fp32", "bf16", "mxfp8"]
+FeedForwardKind = Literal["moe", "dense"]
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "mxfp8")
+FEED_FORWARD_KINDS: tuple[str, ...] = ("moe", "dense")
+# MX formats share one exponent per block of 32 consecutive values along the reduction dim.
+MX_BLOCK_SIZE = 32
+
+
+class ModelConfigError(ValueError):
+    """A ModelConfig whose fields contradict each other; the message says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a MoETransformer."""
+
+    vocab_size: int = 2048
+    """Rows of the token embedding; must be >= the tokenizer's vocabulary size."""
+
+    d_model: int = 128
+    """Width of the residual stream."""
+
+    n_layers: int = 2
+    """Number of transformer blocks."""
+
+    n_heads: int = 4
+    """Query heads per attention layer; d_model must be divisible by it."""
+
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+
+    max_seq_len: int = 2048
+    """Longest sequence (prompt + completion) the rotary tables and KV cache are sized for."""
+
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+
+    feed_forward: FeedForwardKind = "moe"
+    """"moe" for routed SwiGLU experts, "dense" for one SwiGLU MLP per layer (baseline)."""
+
+    n_experts: int = 4
+    """Routed experts per MoE layer (ignored by dense models)."""
+
+    top_k: int = 2
+    """Experts each token is routed to; must be <= n_experts."""
+
+    d_ff_expert: int = 256
+    """Hidden width of one SwiGLU expert."""
+
+    d_ff_dense: int = 512
+    """Hidden width of the dense SwiGLU MLP (dense models only)."""
+
+    normalize_top_k_weights: bool = True
+    """Renormalise the top-k router probabilities of a token to sum to one."""
+
+    precision: Precision = "fp32"
+    """Numerics of the expert matmuls: "fp32", "bf16" or "mxfp8" (block-scaled FP8, 32-wide blocks)."""
+
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the output projection."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Raise ModelConfigError when fields are out of range or contradict each other."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.feed_forward not in FEED_FORWARD_KINDS:
+            raise ModelConfigError(
+                f"feed_forward={self.feed_forward!r} is unknown; use one of {FEED_FORWARD_KINDS}."
+            )
+        if self.precision not in PRECISIONS:
+            raise ModelConfigError(f"precision={self.precision!r} is unknown; use one of {PRECISIONS}.")
+        if self.d_model % self.n_heads:
+            raise ModelConfigError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"pick n_heads among the divisors of d_model (e.g. {_divisors_hint(self.d_model)})."
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(
+                f"head_dim=d_model/n_heads={self.head_dim} is odd; rotary embeddings rotate pairs, "
+                "so choose n_heads such that d_model/n_heads is even."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} for grouped-query "
+                "attention; set n_kv_heads to a divisor of n_heads (n_kv_heads=n_heads disables GQA)."
+            )
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ModelConfigError("rope_theta, norm_eps and init_std must all be positive.")
+        if self.feed_forward == "moe":
+            if self.n_experts < 1 or self.d_ff_expert < 1:
+                raise ModelConfigError("MoE models need n_experts >= 1 and d_ff_expert >= 1.")
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ModelConfigError(
+                    f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}; "
+                    "lower top_k or add experts."
+                )
+            hidden_widths = {"d_ff_expert": self.d_ff_expert}
+        else:
+            if self.d_ff_dense < 1:
+                raise ModelConfigError("Dense models need d_ff_dense >= 1.")
+            hidden_widths = {"d_ff_dense": self.d_ff_dense}
+        if self.precision == "mxfp8":
+            for name, value in {"d_model": self.d_model, **hidden_widths}.items():
+                if value % MX_BLOCK_SIZE:
+                    raise ModelConfigError(
+                        f"precision='mxfp8' scales blocks of {MX_BLOCK_SIZE} values, but {name}={value} "
+                        f"is not a multiple of {MX_BLOCK_SIZE}; round it up to "
+                        f"{-(-value // MX_BLOCK_SIZE) * MX_BLOCK_SIZE} or use precision='bf16'."
+                    )
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the feed-forward layers are routed experts."""
+        return self.feed_forward == "moe"
+
+    def dense_equivalent(self) -> ModelConfig:
+        """A dense model with the same active parameters per token (hidden = top_k * d_ff_expert)."""
+        if not self.is_moe:
+            return dataclasses.replace(self)
+        return dataclasses.replace(self, feed_forward="dense", d_ff_dense=self.top_k * self.d_ff_expert)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total and per-token active parameter counts (embeddings included once when tied)."""
+        attention = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        norms = 2 * self.d_model
+        if self.is_moe:
+            expert = 3 * self.d_model * self.d_ff_expert
+            router = self.d_model * self.n_experts
+            ffn_total, ffn_active = self.n_experts * expert + router, self.top_k * expert + router
+        else:
+            ffn_total = ffn_active = 3 * self.d_model * self.d_ff_dense
+        embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        shared = embeddings + self.d_model
+        return {
+            "total": shared + self.n_layers * (attention + norms + ffn_total),
+            "active": shared + self.n_layers * (attention + norms + ffn_active),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ModelConfigError(f"Unknown ModelConfig fields {unknown}; known fields are {sorted(known)}.")
+        return cls(**data)
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def load_json(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def named(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A preset by name ("tiny", "small", "base", "large"), optionally with fields overridden.
+
+        A "-dense" suffix (e.g. "small-dense") gives the dense model with equal active parameters.
+        """
+        dense = name.endswith("-dense")
+        preset = NAMED_CONFIGS.get(name.removesuffix("-dense"))
+        if preset is None:
+            choices = sorted(NAMED_CONFIGS) + [f"{n}-dense" for n in sorted(NAMED_CONFIGS)]
+            raise ModelConfigError(f"Unknown model size {name!r}; choose one of {choices}.")
+        config = cls(**{**preset, **overrides})
+        return config.dense_equivalent() if dense else config
+
+
+def _divisors_hint(value: int) -> list[int]:
+    return [d for d in range(1, min(value, 64) + 1) if value % d == 0][-4:]
+
+
+NAMED_CONFIGS: dict[str, dict[str, Any]] = {
+    # < 2M parameters: trains in seconds on a 2-core CPU, used by CI and by other teams' tests.
+    "tiny": {
+        "vocab_size": 2048,
+        "d_model": 128,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 2048,
+        "n_experts": 4,
+        "top_k": 2,
+        "d_ff_expert": 256,
+    },
+    # ~22M parameters (~8M active): the CPU demo model.
+    "small": {
+        "vocab_size": 8192,
+        "d_model": 256,
+        "n_layers": 6,
+        "n_heads": 8,
+        "n_kv_heads": 4,
+        "max_seq_len": 4096,
+        "n_experts": 8,
+        "top_k": 2,
+        "d_ff_expert": 512,
+    },
+    # ~1.2B parameters (~0.21B active): a single-GPU model.
+    "base": {
+        "vocab_size": 32768,
+        "d_model": 1024,
+        "n_layers": 16,
+        "n_heads": 16,
+        "n_kv_heads": 4,
+        "max_seq_len": 8192,
+        "rope_theta": 500000.0,
+        "n_experts": 32,
+        "top_k": 4,
+        "d_ff_expert": 704,
+        "precision": "bf16",
+    },
+    # ~7.6B parameters (~1.1B active): multi-GPU, MXFP8 expert matmuls.
+    "large": {
+        "vocab_size": 65536,
+        "d_model": 2048,
+        "n_layers": 24,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "max_seq_len": 16384,
+        "rope_theta": 1000000.0,
+        "n_experts": 64,
+        "top_k": 6,
+        "d_ff_expert": 768,
+        "precision": "mxfp8",
+    },
+}

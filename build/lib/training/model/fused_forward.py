@@ -1,0 +1,422 @@
+"""Inference-only forward of a MoETransformer over a KV cache, with fused projections, for generation.
+
+A CPU decode step of the "tiny" model is dominated by per-operator overhead (~250 small operators, of
+which only the GEMMs do real work), so this path computes the same function as
+``MoETransformer.forward(..., kv_cache=...)`` with far fewer operators:
+
+- Q, K, V and the rotate-half of Q and K come out of one matmul: rotate-half is a signed permutation
+  of each head's rows, so it folds into the weight and RoPE becomes one multiply and one addcmul;
+- attention is baddbmm (scores + additive mask) / softmax / bmm over (batch x kv-head) with the query
+  heads of a group as rows, with the mask built once per forward and shared by every layer;
+- the MoE router, every expert's gate and every expert's up projection are one matmul when all
+  experts are computed (``moe.all_experts_pays``); the top-k weights scale the hidden units, so the down
+  projection and the sum over experts are one matmul; the dense variant fuses gate and up alike;
+- RMSNorm weights (times sqrt(d_model)) fold into the projections that follow (the final norm's into
+  the hidden state, the output weight is too big to copy), leaving a per-token
+  1 / sqrt(||x||^2 + d_model * eps) = 1 / hypot(||x||, sqrt(d_model * eps)): three small operators
+  instead of the norm's six;
+- output projections add into the residual stream in the same call (addmm) in fp32;
+- new keys and values are written with one flat index per step, shared by all layers, and when the
+  slots are consecutive every layer's cached prefix is a view taken once per step;
+- positions and cache lengths come from the caller as Python ints, so nothing waits on a tensor value.
+
+The fused weights are copies (the attention projections, and the gate/up projections of dense models and
+of MoE models that may compute every expert; about that much extra memory), rebuilt whenever a parameter
+changes: every parameter's version counter
+(bumped by in-place updates: ``load_state_dict``, optimizer steps) and storage pointer (``.to()``,
+re-materialisation) are compared on each call, and ``load_state_dict(assign=True)``, which swaps the
+parameter objects, is caught by a hook. Expert dispatch (many tokens, or MXFP8) runs the model's own
+MoE layer. Training keeps using ``MoETransformer.forward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.model.kv_cache import KVCache
+from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
+from training.model.transformer import MoETransformer, TransformerBlock
+from training.model.weights_watch import WeightsWatch
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor in dtype, skipping the no-op cast call (not free, and there are several per layer) in fp32."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+@dataclass
+class FusedOutput:
+    logits: torch.Tensor
+    """float32 [B, vocab_size]: next-token logits at one position per row."""
+
+    routed_experts: torch.Tensor | None
+    """int64 [B, T, n_layers, top_k] experts each input token used, when asked for on an MoE model."""
+
+
+def _norm_scale(norm: torch.nn.RMSNorm) -> torch.Tensor:
+    """rms_norm(x) == x / sqrt(||x||^2 + d * eps) * (weight * sqrt(d)); the caller computes the first factor."""
+    return norm.weight * math.sqrt(norm.weight.shape[0])
+
+
+def _in_out(weight: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear-style [out, in] weight as a contiguous [in, out] copy."""
+    return weight.t().contiguous()
+
+
+def _rotate_half_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of W such that x @ W_rot.T == rotate_half(x @ W.T) head by head (negation and reordering only)."""
+    heads = weight.view(n_heads, weight.shape[0] // n_heads, weight.shape[1])
+    first, second = heads.chunk(2, dim=1)
+    return torch.cat([-second, first], dim=1).reshape(weight.shape)
+
+
+@dataclass
+class _LayerWeights:
+    qkv_rotated: torch.Tensor
+    """[d_model, (2 * n_heads + 3 * n_kv_heads) * head_dim]: columns of Q, K, V, rotate_half(Q), rotate_half(K),
+    rows scaled by the attention norm (see _norm_scale). Every fused weight is stored [in, out], which
+    torch.mm takes without a transpose (measurably faster than F.linear for a few rows)."""
+    attention_out: torch.Tensor
+    """[n_heads * head_dim, d_model] (wo transposed, a view)."""
+    ffn_norm: torch.Tensor
+    """The feed-forward norm's weight times sqrt(d_model), for the model's own MoE layer (dispatch)."""
+    ffn_in: torch.Tensor | None
+    """Dense: [d_model, 2 * d_ff] gate and up. MoE: [d_model, E + 2 * E * d_ff] router, every expert's
+    gate, every expert's up; rows scaled by the feed-forward norm; None for MoE models that never compute
+    every expert (too many experts per routed one, or MXFP8)."""
+    ffn_out: torch.Tensor
+    """[d_ff or E * d_ff, d_model]: the down projection(s) stacked along the hidden units (a view)."""
+    feed_forward: MoEFeedForward | DenseFeedForward
+
+
+class _Weights:
+    """Fused copies of one model's weights plus what they were built from, to detect changes."""
+
+    def __init__(self, model: MoETransformer, stamp: tuple) -> None:
+        config = model.config
+        self.stamp = stamp
+        """The WeightsWatch stamp of the weights these copies were made from."""
+        compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
+        # [max_seq_len, 2, 1, head_dim]: one gather per forward yields cos and sin broadcastable over heads
+        self.cos_sin = torch.stack([model.rotary.cos, model.rotary.sin], dim=1).unsqueeze(2).to(compute_dtype)
+        self.embed = model.embed.weight
+        # The (tied, vocabulary-sized) output weight is used as it is rather than copied with the norm
+        # folded in: the final norm's weight costs one multiply of [B, d_model].
+        self.norm = _norm_scale(model.norm)
+        self.output = model.output.weight
+        self.layers = [self._layer(block, config.n_heads, config.n_kv_heads) for block in model.layers]
+
+    @staticmethod
+    def _layer(block: TransformerBlock, n_heads: int, n_kv_heads: int) -> _LayerWeights:
+        attention, feed_forward = block.attention, block.feed_forward
+        wq, wk, wv = attention.wq.weight, attention.wk.weight, attention.wv.weight
+        qkv_rotated = _in_out(
+            torch.cat([wq, wk, wv, _rotate_half_rows(wq, n_heads), _rotate_half_rows(wk, n_kv_heads)])
+            * _norm_scale(block.attention_norm)
+        )
+        ffn_norm = _norm_scale(block.ffn_norm)
+        if isinstance(feed_forward, DenseFeedForward):
+            ffn_in = _in_out(torch.cat([feed_forward.w_gate.weight, feed_forward.w_up.weight]) * ffn_norm)
+            ffn_out = feed_forward.w_down.weight.t()
+        else:
+            n_experts, d_model, d_ff = feed_forward.w_gate.shape
+            ffn_in = None
+            # only models that may take the all-experts path pay for this copy of every expert's gate and up
+            if all_experts_possible(feed_forward.config):
+                # expert-major hidden units: unit e * d_ff + j is expert e's unit j
+                ffn_in = _in_out(
+                    torch.cat(
+                        [
+                            feed_forward.router.weight,
+                            feed_forward.w_gate.permute(0, 2, 1).reshape(n_experts * d_ff, d_model),
+                            feed_forward.w_up.permute(0, 2, 1).reshape(n_experts * d_ff, d_model),
+                        ]
+                    )
+                    * ffn_norm
+                )
+            ffn_out = feed_forward.w_down.reshape(n_experts * d_ff, d_model)
+        return _LayerWeights(
+            qkv_rotated=qkv_rotated,
+            attention_out=attention.wo.weight.t(),
+            ffn_norm=ffn_norm,
+            ffn_in=ffn_in,
+            ffn_out=ffn_out,
+            feed_forward=feed_forward,
+        )
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward shares."""
+
+    batch: int
+    length: int
+    visible: int
+    """Cache positions every row attends over (the longest row after this forward)."""
+    ends: torch.Tensor
+    """int64 [B]: the slots' cache lengths after this forward."""
+    cache_index: torch.Tensor
+    """int64 [B * T, kv_heads]: where each new key/value row goes in a layer's cache viewed as [-1, head_dim]."""
+    slots: torch.Tensor | None
+    """int64 [B] cache slots, only when they are not consecutive (the cache is then gathered per layer)."""
+    layer_keys: Sequence[torch.Tensor] | None
+    """Per layer [B * kv_heads, head_dim, visible]: views of the cached keys, transposed for the scores,
+    when the slots are consecutive."""
+    layer_values: Sequence[torch.Tensor] | None
+    """Per layer [B * kv_heads, visible, head_dim] views, when the slots are consecutive."""
+    mask: torch.Tensor
+    """[B * kv_heads, groups * T, visible] additive attention mask (0 or -inf)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """[B * T, 1, head_dim] each."""
+
+
+class FusedForward:
+    """Callable inference forward of `model` over a KVCache; see the module docstring."""
+
+    def __init__(self, model: MoETransformer) -> None:
+        config = model.config
+        self.model = model
+        self.config = config
+        self.groups = config.n_heads // config.n_kv_heads
+        # heads of the fused QKV projection: Q and K (to be rotated), V, rotate_half(Q) and rotate_half(K)
+        self.projection_heads = (
+            config.n_heads + config.n_kv_heads,
+            config.n_kv_heads,
+            config.n_heads + config.n_kv_heads,
+        )
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        device = model.embed.weight.device
+        self.norm_epsilon_root = torch.tensor(math.sqrt(config.d_model * config.norm_eps), device=device)
+        self.autocast_dtype = None if config.precision == "fp32" else torch.bfloat16
+        self._weights: _Weights | None = None
+        self._watch = WeightsWatch(model)
+
+    def weights(self) -> _Weights:
+        stamp = self._watch.stamp()
+        if self._weights is None or self._weights.stamp != stamp:
+            self._weights = _Weights(self.model, stamp)
+        return self._weights
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        logits_positions: Sequence[int] | None = None,
+        return_routing: bool = False,
+    ) -> FusedOutput:
+        """Append input_ids [B, T] to cache `slots` at positions starts[b]..starts[b] + T - 1.
+
+        starts must equal the slots' cached lengths (the caller tracks them, so no tensor is read back);
+        the slots' lengths become starts + T. Logits come from logits_positions (one per row; default the
+        last position).
+        """
+        weights = self.weights()
+        step = self._plan(input_ids, cache, slots, starts, weights)
+        autocast = (
+            contextlib.nullcontext()
+            if self.autocast_dtype is None
+            else torch.autocast(input_ids.device.type, dtype=self.autocast_dtype)
+        )
+        routing: list[torch.Tensor] = []
+        with autocast:
+            hidden = F.embedding(input_ids.reshape(-1), weights.embed)
+            for index, layer in enumerate(weights.layers):
+                hidden = self._attention(hidden, layer, index, cache, step)
+                hidden = self._feed_forward(hidden, layer, routing)
+            if logits_positions is not None:
+                rows = [row * step.length + position for row, position in enumerate(logits_positions)]
+                hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+            elif step.length > 1:
+                hidden = hidden.view(step.batch, step.length, -1)[:, -1]
+            hidden = self._normalized(hidden) * weights.norm
+        logits = F.linear(_as(hidden, weights.output.dtype), weights.output).float()
+        if step.slots is None:
+            cache.lengths[slots[0] : slots[0] + step.batch] = step.ends
+        else:
+            cache.lengths[step.slots] = step.ends
+        routed = None
+        if return_routing and routing:
+            routed = torch.stack(routing, dim=1).view(step.batch, step.length, len(routing), -1)
+        return FusedOutput(logits=logits, routed_experts=routed)
+
+    def _plan(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        weights: _Weights,
+    ) -> _Step:
+        batch, length = input_ids.shape
+        if len(slots) != batch or len(starts) != batch:
+            raise ValueError(
+                f"Need one slot and one start per row: {batch} rows, {len(slots)} slots, {len(starts)} starts."
+            )
+        visible = max(starts) + length
+        if visible > cache.max_seq_len:
+            raise ValueError(
+                f"Sequence would reach {visible} tokens, past the KV cache's max_seq_len={cache.max_seq_len}; "
+                "stop generation earlier or enlarge the cache."
+            )
+        device = input_ids.device
+        config = self.config
+        n_layers, n_kv_heads, head_dim = config.n_layers, config.n_kv_heads, config.head_dim
+        # every integer the step needs, in one tensor (building tensors from lists is not cheap)
+        tokens = batch * length
+        numbers = torch.tensor(
+            [
+                *(start + offset for start in starts for offset in range(length)),
+                *(start + length for start in starts),
+                # flat row of (slot, kv head, position) in a layer's [slots, kv_heads, max_seq_len, head_dim]
+                *(
+                    (slot * n_kv_heads + head) * cache.max_seq_len + start + offset
+                    for slot, start in zip(slots, starts, strict=True)
+                    for offset in range(length)
+                    for head in range(n_kv_heads)
+                ),
+                *slots,
+            ],
+            device=device,
+        )
+        positions = numbers[:tokens].view(batch, length)
+        ends = numbers.narrow(0, tokens, batch)
+        cache_index = numbers.narrow(0, tokens + batch, tokens * n_kv_heads).view(tokens, n_kv_heads)
+        blocked = torch.arange(visible, device=device) > positions.unsqueeze(-1)
+        mask = (
+            torch.where(blocked, float("-inf"), 0.0)
+            .view(batch, 1, 1, length, visible)
+            .expand(batch, n_kv_heads, self.groups, length, visible)
+            .reshape(batch * n_kv_heads, self.groups * length, visible)
+        )
+        cos, sin = weights.cos_sin.index_select(0, positions.view(-1)).unbind(1)
+        first = slots[0]
+        consecutive = list(slots) == list(range(first, first + batch))
+        layer_keys = layer_values = None
+        if consecutive:
+            # the views see the keys and values each layer writes before it attends
+            grouped = (n_layers, batch * n_kv_heads, visible, head_dim)
+            keys = cache.key_storage.narrow(1, first, batch).narrow(3, 0, visible).reshape(grouped)
+            values = cache.value_storage.narrow(1, first, batch).narrow(3, 0, visible).reshape(grouped)
+            layer_keys, layer_values = keys.transpose(2, 3).unbind(0), values.unbind(0)
+        return _Step(
+            batch=batch,
+            length=length,
+            visible=visible,
+            ends=ends,
+            cache_index=cache_index,
+            slots=None if consecutive else numbers[-batch:],
+            layer_keys=layer_keys,
+            layer_values=layer_values,
+            mask=mask,
+            cos=cos,
+            sin=sin,
+        )
+
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / sqrt(||x||^2 + d_model * eps) per row: RMSNorm up to its weight, which the next projection holds."""
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x / torch.hypot(norm, self.norm_epsilon_root)
+
+    def _add_projection(
+        self, residual: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor
+    ) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return torch.addmm(residual, x, weight_t)
+        # addmm under autocast would round the residual stream itself to bf16
+        return residual + x @ weight_t
+
+    def _attention(
+        self, hidden: torch.Tensor, layer: _LayerWeights, index: int, cache: KVCache, step: _Step
+    ) -> torch.Tensor:
+        config = self.config
+        n_heads, n_kv_heads, head_dim, groups = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            self.groups,
+        )
+        batch, length, visible = step.batch, step.length, step.visible
+        tokens = batch * length
+        projected = torch.mm(self._normalized(hidden), layer.qkv_rotated).view(tokens, -1, head_dim)
+        # split_with_sizes: Tensor.split is a Python wrapper around it, which shows at this call rate
+        query_key, value, query_key_rotated = projected.split_with_sizes(self.projection_heads, dim=1)
+        query, key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin).split_with_sizes(
+            (n_heads, n_kv_heads), dim=1
+        )
+
+        layer_keys, layer_values = cache.keys[index], cache.values[index]
+        target = (step.cache_index,)
+        layer_keys.view(-1, head_dim).index_put_(target, _as(key, layer_keys.dtype))
+        layer_values.view(-1, head_dim).index_put_(target, _as(value, layer_values.dtype))
+        if step.slots is None:
+            keys_transposed, values = step.layer_keys[index], step.layer_values[index]
+        else:
+            grouped = (batch * n_kv_heads, visible, head_dim)
+            keys_transposed = (
+                layer_keys.narrow(2, 0, visible).index_select(0, step.slots).view(grouped).transpose(1, 2)
+            )
+            values = layer_values.narrow(2, 0, visible).index_select(0, step.slots).view(grouped)
+        keys_transposed, values = _as(keys_transposed, query.dtype), _as(values, query.dtype)
+
+        # rows of one (sequence, kv head) group: its query heads x its new positions
+        if length == 1:
+            grouped_queries = query.reshape(batch * n_kv_heads, groups, head_dim)
+        else:
+            grouped_queries = (
+                query.view(batch, length, n_kv_heads, groups, head_dim)
+                .permute(0, 2, 3, 1, 4)
+                .reshape(batch * n_kv_heads, groups * length, head_dim)
+            )
+        scores = torch.baddbmm(step.mask, grouped_queries, keys_transposed, alpha=self.scale)
+        attended = torch.bmm(scores.softmax(dim=-1), values)
+        if length == 1:
+            attended = attended.view(tokens, n_heads * head_dim)
+        else:
+            attended = (
+                attended.view(batch, n_kv_heads, groups, length, head_dim)
+                .permute(0, 3, 1, 2, 4)
+                .reshape(tokens, n_heads * head_dim)
+            )
+        return self._add_projection(hidden, attended, layer.attention_out)
+
+    def _feed_forward(
+        self, hidden: torch.Tensor, layer: _LayerWeights, routing: list[torch.Tensor]
+    ) -> torch.Tensor:
+        config = self.config
+        normed = self._normalized(hidden)
+        feed_forward = layer.feed_forward
+        if isinstance(feed_forward, DenseFeedForward):
+            gate, up = torch.mm(normed, layer.ffn_in).chunk(2, dim=-1)
+            return self._add_projection(hidden, F.silu(gate) * up, layer.ffn_out)
+        n_tokens = normed.shape[0]
+        if layer.ffn_in is None or not all_experts_pays(config, n_tokens):
+            out, router = feed_forward(normed * layer.ffn_norm, compute_losses=False)
+            routing.append(router.expert_indices)
+            return hidden + out
+        n_experts, top_k = config.n_experts, config.top_k
+        projected = torch.mm(normed, layer.ffn_in)
+        router_logits = _as(projected[:, :n_experts], torch.float32)
+        if config.normalize_top_k_weights:
+            # softmax over all experts then renormalising the top k equals a softmax over the top-k logits
+            top_logits, expert_indices = router_logits.topk(top_k, dim=-1)
+            weights = top_logits.softmax(dim=-1)
+        else:
+            weights, expert_indices = router_logits.softmax(dim=-1).topk(top_k, dim=-1)
+        routing.append(expert_indices)
+        gate, up = projected[:, n_experts:].view(n_tokens, 2, -1).unbind(1)
+        hidden_units = F.silu(gate) * up
+        expert_weights = torch.zeros_like(router_logits).scatter_(1, expert_indices, weights)
+        # unrouted experts get weight 0; the down projection then sums the routed experts' outputs
+        hidden_units.view(n_tokens, n_experts, -1).mul_(_as(expert_weights, hidden_units.dtype).unsqueeze(-1))
+        return self._add_projection(hidden, hidden_units, layer.ffn_out)

@@ -1,0 +1,451 @@
+"""Decoder-only MoE transformer: RoPE attention (GQA), RMSNorm, routed SwiGLU experts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.model.config import ModelConfig
+from training.model.kv_cache import CacheBatch, KVCache
+from training.model.moe import DenseFeedForward, MoEFeedForward, output_init_std
+
+
+@dataclass
+class TransformerOutput:
+    """Result of MoETransformer.forward."""
+
+    logits: torch.Tensor
+    """float32 [B, T, vocab_size] next-token logits."""
+
+    load_balancing_loss: torch.Tensor
+    """Scalar, mean over MoE layers (zero for dense models); the trainer chooses its weight."""
+
+    router_z_loss: torch.Tensor
+    """Scalar, mean over MoE layers (zero for dense models); the trainer chooses its weight."""
+
+    routed_experts: torch.Tensor | None
+    """int64 [B, T, n_layers, top_k] experts each input token used, when return_routing=True on an MoE."""
+
+
+@dataclass
+class SharedPrefix:
+    """Keys and values of a prefix that several rows begin with, computed once by
+    MoETransformer.prefix_forward and attended by each row's forward (`prefix=`) in place of its own copy.
+
+    An RL group's rollouts share the system prompt, the tool schemas and the task (over half of each row):
+    a learner that runs the prefix once instead of once per rollout does that share of the work once.
+    """
+
+    keys: list[torch.Tensor]
+    """Per layer, [1, n_kv_heads, P, head_dim] with the rotary embedding applied."""
+
+    values: list[torch.Tensor]
+    """Per layer, [1, n_kv_heads, P, head_dim]."""
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values]
+
+    def detached(self) -> SharedPrefix:
+        """Leaves that collect the rows' gradients, to be sent through the prefix's graph in one backward
+        pass (torch.autograd.backward(prefix.tensors(), [leaf.grad ...])) rather than once per row."""
+        return SharedPrefix(
+            keys=[key.detach().requires_grad_() for key in self.keys],
+            values=[value.detach().requires_grad_() for value in self.values],
+        )
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables (rotate-half convention) indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fill the tables in place (also after materialising a model built on the meta device)."""
+        head_dim, device = self.config.head_dim, self.cos.device
+        if device.type == "meta":
+            return
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+        inv_freq = 1.0 / (self.config.rope_theta**exponents)
+        angles = torch.outer(
+            torch.arange(self.config.max_seq_len, dtype=torch.float64, device=device), inv_freq
+        )
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] broadcastable over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: KVCache | None,
+        cache_batch: CacheBatch | None,
+        query_positions: torch.Tensor | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
+    ) -> torch.Tensor:
+        """query_positions: int [B, N]; when given, only these positions query (causally, over every key of
+        their row) and the result is [B, N, d_model]; without it every position does.
+        prefix: (keys, values) [1, n_kv_heads, P, head_dim] of a shared prefix every row continues (x starts
+        at position P); every query attends all of it. kv_sink: a list this layer appends its (keys, values) to.
+        """
+        batch, length, _ = x.shape
+        k, v = self.keys_values(x, cos, sin)
+        if kv_sink is not None:
+            kv_sink.append((k, v))
+        offset = 0
+        if prefix is not None:
+            offset = prefix[0].shape[2]
+            k = torch.cat([prefix[0].expand(batch, -1, -1, -1), k], dim=2)
+            v = torch.cat([prefix[1].expand(batch, -1, -1, -1), v], dim=2)
+        gqa = self.n_kv_heads != self.n_heads
+        if query_positions is not None:
+            rows = torch.arange(batch, device=x.device)[:, None]
+            queries = query_positions.shape[1]
+            q = self.wq(x[rows, query_positions]).view(batch, queries, self.n_heads, self.head_dim).transpose(1, 2)
+            q = apply_rotary(q, cos[:, 0][rows, query_positions].unsqueeze(1), sin[:, 0][rows, query_positions].unsqueeze(1))
+            visible = torch.arange(offset + length, device=x.device) <= offset + query_positions[:, None, :, None]
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+            return self.wo(attended.transpose(1, 2).reshape(batch, queries, self.n_heads * self.head_dim))
+        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        if prefix is not None:
+            visible = torch.arange(offset + length, device=x.device) <= offset + torch.arange(length, device=x.device)[:, None]
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        elif kv_cache is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            keys, values = kv_cache.append(self.layer_index, cache_batch, k, v)
+            attended = F.scaled_dot_product_attention(
+                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache_batch.attention_mask, enable_gqa=gqa
+            )
+        return self.wo(attended.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys with the rotary embedding applied, values), each [B, n_kv_heads, T, head_dim]."""
+        batch, length, _ = x.shape
+        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attention = Attention(config, layer_index)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.feed_forward: MoEFeedForward | DenseFeedForward = (
+            MoEFeedForward(config) if config.is_moe else DenseFeedForward(config)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: KVCache | None,
+        cache_batch: CacheBatch | None,
+        routing_override: torch.Tensor | None,
+        compute_router_losses: bool,
+        query_positions: torch.Tensor | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
+    ):
+        """query_positions: int [B, N]; run the block's output only at these positions ([B, N, d_model]).
+        prefix, kv_sink: as Attention.forward's."""
+        attended = self.attention(
+            self.attention_norm(x), cos, sin, kv_cache=kv_cache, cache_batch=cache_batch,
+            query_positions=query_positions, prefix=prefix, kv_sink=kv_sink,
+        )
+        if query_positions is not None:
+            rows = torch.arange(x.shape[0], device=x.device)[:, None]
+            x = x[rows, query_positions]
+            if routing_override is not None:
+                routing_override = routing_override[rows, query_positions.to(routing_override.device)]
+        x = x + attended
+        normed = self.ffn_norm(x)
+        if isinstance(self.feed_forward, DenseFeedForward):
+            return x + self.feed_forward(normed), None
+        batch, length, d_model = normed.shape
+        override = None if routing_override is None else routing_override.reshape(batch * length, -1)
+        out, router = self.feed_forward(
+            normed.reshape(batch * length, d_model),
+            routing_override=override,
+            compute_losses=compute_router_losses,
+        )
+        return x + out.view(batch, length, d_model), router
+
+
+class MoETransformer(nn.Module):
+    """The policy model. Same class for every size; the dense baseline is feed_forward="dense"."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config, index) for index in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std, out_std = self.config.init_std, output_init_std(self.config)
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        for block in self.layers:
+            for projection in (block.attention.wq, block.attention.wk, block.attention.wv):
+                nn.init.normal_(projection.weight, std=std)
+            nn.init.normal_(block.attention.wo.weight, std=out_std)
+            block.feed_forward.reset_parameters(std=std, output_std=out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        routing_override: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        return_routing: bool = False,
+        kv_cache: KVCache | None = None,
+        cache_slots: torch.Tensor | None = None,
+        compute_router_losses: bool = True,
+        logits_positions: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
+        prefix: SharedPrefix | None = None,
+    ) -> TransformerOutput:
+        """Run the model on input_ids [B, T].
+
+        routing_override: expert ids recorded at rollout time, [B, T, n_layers, top_k] or a sequence of
+            n_layers tensors [B, T, top_k]; replaces the router's choice (the gate weights still come
+            from the current router, so gradients flow to it).
+        kv_cache / cache_slots: append the tokens to these cache slots ([B] int) and attend over each
+            slot's cached prefix; without a cache the pass is a plain causal forward from position 0.
+        compute_router_losses: False skips the load-balancing and z losses (returned as zeros) when
+            only logits are needed, e.g. during generation.
+        logits_positions: int [B]; when given, logits are computed only at these positions (one per row,
+            shape [B, 1, vocab]); generation needs just the last prompt position, which saves the output
+            projection over the whole prompt.
+        logits_mask: bool [B, T]; when given, logits are computed only where it is True and returned
+            flattened to [1, N, vocab] in row-major order (N = its number of True entries), and the last
+            block runs only at those positions (earlier blocks run everywhere, since every position is a
+            key of the next block). A policy-gradient loss needs outputs only at the sampled tokens, a
+            tenth of a rollout's row; the rest would be wasted work. Needs compute_router_losses=False and
+            return_routing=False (both would cover only part of the last block), and no kv_cache.
+        prefix: a SharedPrefix (prefix_forward) that every row continues: input_ids are the tokens after it,
+            at positions P.., and attend its keys and values as if they were the rows' own first P tokens.
+            No kv_cache with it.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}.")
+        batch, length = input_ids.shape
+        if logits_mask is not None:
+            if logits_positions is not None:
+                raise ValueError("Pass logits_positions or logits_mask, not both.")
+            if logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                    f"{logits_mask.dtype} {tuple(logits_mask.shape)}."
+                )
+            if compute_router_losses or return_routing or kv_cache is not None:
+                raise ValueError(
+                    "logits_mask runs the last block only at the masked positions: pass "
+                    "compute_router_losses=False and return_routing=False, and no kv_cache."
+                )
+        config = self.config
+        cache_batch = None
+        if prefix is not None and kv_cache is not None:
+            raise ValueError("prefix and kv_cache are two ways to supply earlier keys; pass one.")
+        if prefix is not None:
+            offset = prefix.length
+            if offset + length > config.max_seq_len:
+                raise ValueError(
+                    f"Prefix {offset} + sequence {length} tokens exceeds max_seq_len={config.max_seq_len}."
+                )
+            positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)
+        elif kv_cache is not None:
+            if cache_slots is None or cache_slots.shape != (batch,):
+                raise ValueError("kv_cache needs cache_slots, an int tensor [batch] of slot indices.")
+            cache_batch = kv_cache.begin(cache_slots.to(kv_cache.lengths.device), length)
+            positions = cache_batch.positions.to(input_ids.device)
+        else:
+            if length > config.max_seq_len:
+                raise ValueError(
+                    f"Sequence length {length} exceeds max_seq_len={config.max_seq_len}; truncate the "
+                    "input or build the model with a larger max_seq_len."
+                )
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        overrides = self._layer_overrides(routing_override, batch, length)
+        cos, sin = self.rotary(positions)
+
+        autocast = self._autocast(input_ids.device.type)
+        last_block_positions = last_block_valid = None
+        if logits_mask is not None:
+            mask = logits_mask.to(input_ids.device)
+            counts = mask.sum(dim=1)
+            queries = max(int(counts.max()), 1)
+            # Each row's masked positions first, in order (a stable sort); shorter rows are padded with
+            # other positions of the row, whose outputs are dropped.
+            order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
+            last_block_positions = order[:, :queries]
+            last_block_valid = torch.arange(queries, device=mask.device) < counts[:, None]
+        routers = []
+        with autocast:
+            hidden = self.embed(input_ids)
+            for index, block in enumerate(self.layers):
+                last = index == len(self.layers) - 1
+                hidden, router = block(
+                    hidden,
+                    cos,
+                    sin,
+                    kv_cache=kv_cache,
+                    cache_batch=cache_batch,
+                    routing_override=None if overrides is None else overrides[index],
+                    compute_router_losses=compute_router_losses,
+                    query_positions=last_block_positions if last else None,
+                    prefix=None if prefix is None else (prefix.keys[index], prefix.values[index]),
+                )
+                if router is not None:
+                    routers.append(router)
+            if logits_positions is not None:
+                rows = torch.arange(batch, device=hidden.device)
+                hidden = hidden[rows, logits_positions.to(hidden.device)].unsqueeze(1)
+            elif logits_mask is not None:
+                hidden = hidden[last_block_valid].unsqueeze(0)
+            hidden = self.norm(hidden)
+        logits = self.output(hidden.to(self.output.weight.dtype)).float()
+        if kv_cache is not None:
+            kv_cache.advance(cache_batch)
+
+        zero = logits.new_zeros(())
+        routed = None
+        if return_routing and routers:
+            routed = torch.stack([r.expert_indices.view(batch, length, -1) for r in routers], dim=2)
+        return TransformerOutput(
+            logits=logits,
+            load_balancing_loss=torch.stack([r.load_balancing_loss for r in routers]).mean()
+            if routers
+            else zero,
+            router_z_loss=torch.stack([r.router_z_loss for r in routers]).mean() if routers else zero,
+            routed_experts=routed,
+        )
+
+    def prefix_forward(self, input_ids: torch.Tensor, *, routing_override: torch.Tensor | None = None) -> SharedPrefix:
+        """Every layer's keys and values of a prefix [1, P] (routing_override: [1, P, n_layers, top_k]), for
+        forward(prefix=...). The last layer's feed-forward is skipped: nothing reads its output."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"A shared prefix is one row [1, P], got shape {tuple(input_ids.shape)}.")
+        length = input_ids.shape[1]
+        if length > self.config.max_seq_len:
+            raise ValueError(f"Prefix of {length} tokens exceeds max_seq_len={self.config.max_seq_len}.")
+        overrides = self._layer_overrides(routing_override, 1, length)
+        cos, sin = self.rotary(torch.arange(length, device=input_ids.device)[None])
+        autocast = self._autocast(input_ids.device.type)
+        sink: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with autocast:
+            hidden = self.embed(input_ids)
+            for index, block in enumerate(self.layers):
+                if index == len(self.layers) - 1:
+                    sink.append(block.attention.keys_values(block.attention_norm(hidden), cos, sin))
+                    break
+                hidden, _ = block(
+                    hidden, cos, sin, kv_cache=None, cache_batch=None,
+                    routing_override=None if overrides is None else overrides[index],
+                    compute_router_losses=False, kv_sink=sink,
+                )
+        return SharedPrefix(keys=[k for k, _ in sink], values=[v for _, v in sink])
+
+    def _autocast(self, device_type: str):
+        """bf16 autocast for the low-precision configs, nothing for fp32."""
+        if self.config.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+
+    def _layer_overrides(
+        self, routing_override: torch.Tensor | Sequence[torch.Tensor] | None, batch: int, length: int
+    ) -> list[torch.Tensor] | None:
+        if routing_override is None:
+            return None
+        config = self.config
+        if not config.is_moe:
+            raise ValueError("routing_override was given to a dense model, which has no router.")
+        if isinstance(routing_override, torch.Tensor):
+            expected = (batch, length, config.n_layers, config.top_k)
+            if tuple(routing_override.shape) != expected:
+                raise ValueError(
+                    f"routing_override has shape {tuple(routing_override.shape)}, expected {expected} "
+                    "= (batch, seq_len, n_layers, top_k)."
+                )
+            return [routing_override[:, :, index] for index in range(config.n_layers)]
+        layers = list(routing_override)
+        if len(layers) != config.n_layers:
+            raise ValueError(f"routing_override has {len(layers)} layers, the model has {config.n_layers}.")
+        for index, layer in enumerate(layers):
+            if tuple(layer.shape) != (batch, length, config.top_k):
+                raise ValueError(
+                    f"routing_override[{index}] has shape {tuple(layer.shape)}, expected "
+                    f"{(batch, length, config.top_k)} = (batch, seq_len, top_k)."
+                )
+        return layers
+
+    def parameter_counts(self) -> dict[str, int]:
+        return self.config.parameter_counts()
+
+    def materialize(self, device: str | torch.device) -> MoETransformer:
+        """Allocate a model built under torch.device("meta") on `device` (weights uninitialised)."""
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.output.weight = self.embed.weight
+        self.rotary.reset_buffers()
+        for block in self.layers:
+            if isinstance(block.feed_forward, MoEFeedForward):
+                block.feed_forward.reset_buffers()
+        return self

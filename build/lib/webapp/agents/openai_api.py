@@ -1,0 +1,181 @@
+"""OpenAI-compatible endpoint serving the configured Flowstate checkpoint.
+
+``POST /v1/chat/completions`` (tools, streaming, ``stream_options.include_usage``) and
+``GET /v1/models``, authenticated with a Flowstate API token as the bearer key, so the official
+``openai`` client, the agent loop's ``OpenAIChatPolicy`` and third-party tools all work unchanged.
+Responses carry the standard fields plus ``flowstate`` (prompt/completion token ids, logprobs,
+routed experts) for RL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+from rest_framework.authtoken.models import Token
+
+from webapp.core.validation import Range, finite_json_loads, integer_check, number_check
+
+
+def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JsonResponse:
+    return JsonResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
+
+
+def _authenticated(request) -> bool:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return False
+    return Token.objects.filter(key=key.strip(), user__is_active=True).exists()
+
+
+def _chat_model():
+    from training.checkpoint import CheckpointError
+    from training.serving import ChatModel
+
+    if not settings.MODEL_CHECKPOINT:
+        return None, _error(503, "no model is configured: set FLOWSTATE_MODEL_CHECKPOINT to a checkpoint directory",
+                            kind="server_error", code="model_not_configured")
+    try:
+        return ChatModel.shared(settings.MODEL_CHECKPOINT), None
+    except (CheckpointError, OSError, ValueError) as exc:
+        return None, _error(503, f"the configured checkpoint cannot be loaded: {exc}", kind="server_error",
+                            code="model_unavailable")
+
+
+def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | None]:
+    try:
+        data = finite_json_loads(body or b"{}")
+    except (ValueError, RecursionError) as exc:
+        return None, _error(400, f"the request body is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        return None, _error(400, "the request body must be a JSON object")
+    if data.get("model") != settings.AGENT_BUILTIN_MODEL_NAME:
+        return None, _error(404, f"model '{data.get('model')}' does not exist; this server serves "
+                                 f"'{settings.AGENT_BUILTIN_MODEL_NAME}' (see /v1/models)", param="model",
+                            code="model_not_found")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        return None, _error(400, "messages must be a non-empty list of objects with a role", param="messages")
+    tools = data.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
+        return None, _error(400, "tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", param="tools")
+    if data.get("n", 1) != 1:
+        return None, _error(400, "only n=1 is supported", param="n")
+    tokens = Range(1, settings.AGENT_MAX_CONTEXT_TOKENS)
+    checks = (("max_tokens", integer_check, tokens), ("max_completion_tokens", integer_check, tokens),
+              ("temperature", number_check, Range(0, 2)), ("top_p", number_check, Range(0, 1)),
+              ("seed", integer_check, Range(-(2**63), 2**63 - 1)))
+    for name, check, bounds in checks:
+        if data.get(name) is not None:
+            try:
+                check(name, data[name], bounds)
+            except ValueError as exc:
+                return None, _error(400, str(exc), param=name)
+    return {
+        "messages": messages, "tools": tools, "max_tokens": data.get("max_completion_tokens") or data.get("max_tokens"),
+        "temperature": float(data.get("temperature", 1.0)), "top_p": float(data.get("top_p", 1.0)), "seed": data.get("seed"),
+        "stream": bool(data.get("stream")), "include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
+    }, None
+
+
+def _usage(completion) -> dict:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+
+
+@csrf_exempt
+@require_POST
+def chat_completions(request):
+    if not _authenticated(request):
+        return _error(401, "send your Flowstate API token as 'Authorization: Bearer <token>'", kind="authentication_error",
+                      code="invalid_api_key")
+    parsed, problem = _parse_request(request.body)
+    if problem:
+        return problem
+    model, problem = _chat_model()
+    if problem:
+        return problem
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    arguments = {key: parsed[key] for key in ("messages", "tools", "max_tokens", "temperature", "top_p", "seed")}
+    try:
+        stream = model.stream(**arguments)
+        first = next(stream)
+    except ValueError as exc:
+        return _error(400, str(exc), param="messages", code="context_length_exceeded")
+    except Exception as exc:  # noqa: BLE001 - any generation failure becomes an OpenAI-style 500
+        return _error(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
+
+    if not parsed["stream"]:
+        completion = first
+        for item in stream:
+            completion = item
+        message: dict[str, Any] = {"role": "assistant", "content": completion.content}
+        if completion.tool_calls:
+            message["tool_calls"] = completion.tool_calls
+        return JsonResponse({
+            "id": completion_id, "object": "chat.completion", "created": created, "model": settings.AGENT_BUILTIN_MODEL_NAME,
+            "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
+            "usage": _usage(completion), "flowstate": completion.flowstate_extension(),
+        })
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
+        body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                "model": settings.AGENT_BUILTIN_MODEL_NAME,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def events():
+        yield chunk({"role": "assistant", "content": ""})
+        item = first
+        try:
+            while True:
+                if isinstance(item, str):
+                    yield chunk({"content": item})
+                else:
+                    completion = item
+                    if completion.tool_calls:
+                        calls = [dict(call, index=index) for index, call in enumerate(completion.tool_calls)]
+                        yield chunk({"tool_calls": calls})
+                    yield chunk({}, completion.finish_reason)
+                    if parsed["include_usage"]:
+                        yield ("data: " + json.dumps({
+                            "id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": settings.AGENT_BUILTIN_MODEL_NAME, "choices": [], "usage": _usage(completion),
+                            "flowstate": completion.flowstate_extension()}) + "\n\n")
+                    break
+                item = next(stream)
+        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-stream as OpenAI does
+            yield "data: " + json.dumps({"error": {"message": f"generation failed: {exc}", "type": "server_error"}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def events_async():
+        # Pull each chunk in a worker thread so the event loop keeps serving while tokens are generated.
+        iterator = events()
+        done = object()
+        while (part := await sync_to_async(next, thread_sensitive=False)(iterator, done)) is not done:
+            yield part
+
+    response = StreamingHttpResponse(events_async(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+@require_GET
+def models(request):
+    if not _authenticated(request):
+        return _error(401, "send your Flowstate API token as 'Authorization: Bearer <token>'", kind="authentication_error",
+                      code="invalid_api_key")
+    return JsonResponse({"object": "list", "data": [{
+        "id": settings.AGENT_BUILTIN_MODEL_NAME, "object": "model", "created": 0, "owned_by": "flowstate",
+        "checkpoint_configured": bool(settings.MODEL_CHECKPOINT),
+    }]})

@@ -1,0 +1,87 @@
+"""Checks of a task's limits and policy options: types from AgentLimits, ranges from settings.
+
+Used by the task service (so every path is covered) and by the REST serializer and the form (so the
+error sits next to the field). Errors are Django ValidationErrors keyed by the limit's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+
+from training.agent.config import AgentConfigError, AgentLimits
+from webapp.core.validation import (
+    Range,
+    dataclass_field_kinds,
+    integer_check,
+    number_check,
+    ranges_check,
+    typed_fields_check,
+)
+
+SEED_RANGE = Range(0, 2**32 - 1)
+STEP_DELAY_RANGE = Range(0, 60)
+
+
+def agent_limit_bounds() -> dict[str, Range]:
+    """The range of every AgentLimits field a user may set (upper ends from settings)."""
+    return {
+        "max_turns": Range(1, settings.AGENT_MAX_TURNS),
+        "max_tokens": Range(1, settings.AGENT_MAX_TOKENS),
+        "max_tokens_per_turn": Range(1, settings.AGENT_MAX_CONTEXT_TOKENS),
+        "wall_time_s": Range(1, settings.AGENT_MAX_WALL_TIME_S),
+        "context_tokens": Range(1, settings.AGENT_MAX_CONTEXT_TOKENS),
+        "summarize_at": Range(0.1, 1.0),
+        "max_summaries": Range(0, 100),
+        "temperature": Range(0, 2),
+        "top_p": Range(0, 1),
+        "tool_output_chars": Range(1, 1_000_000),
+    }
+
+
+def _field_named_in(message: str) -> str:
+    text = message.removeprefix("AgentLimits.")
+    names = sorted(dataclass_field_kinds(AgentLimits), key=len, reverse=True)
+    return next((name for name in names if text.startswith(name)), "limits")
+
+
+def agent_limits_check(limits: Any) -> dict[str, Any]:
+    """Every AgentLimits field, defaults filled in, or a ValidationError keyed by the field to fix:
+    types first, then AgentLimits' own rules (their messages explain them), then the ranges."""
+    values = typed_fields_check(AgentLimits, limits if limits is not None else {})
+    try:
+        checked = AgentLimits(**values).to_dict()
+    except AgentConfigError as error:
+        message = str(error).removeprefix("AgentLimits.")
+        raise ValidationError({_field_named_in(str(error)): [message]}) from error
+    ranges_check(values, bounds=agent_limit_bounds())
+    return checked
+
+
+def policy_options_check(*, backend: str, options: Any) -> dict[str, Any]:
+    """Options of the policy backend: scripted takes step_delay_s (seconds), the others a seed."""
+    from webapp.agents.models import AgentTask
+
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValidationError({"policy_options": ["must be a JSON object"]})
+    allowed = {"step_delay_s"} if backend == AgentTask.Backend.SCRIPTED else {"seed"}
+    errors: dict[str, list[str]] = {}
+    checked: dict[str, Any] = {}
+    for name, value in options.items():
+        try:
+            if name not in allowed:
+                raise ValueError(f"unknown option {str(name)[:100]!r} for backend {backend}; "
+                                 f"allowed: {', '.join(sorted(allowed))}")
+            if name == "step_delay_s":
+                checked[name] = number_check(name, value, STEP_DELAY_RANGE)
+            else:
+                checked[name] = integer_check(name, value, SEED_RANGE)
+        except ValueError as error:
+            errors.setdefault("policy_options", []).append(str(error))
+    if errors:
+        raise ValidationError(errors)
+    return checked

@@ -1,0 +1,172 @@
+"""Offline build of the application image that compose.yaml runs (web, workers, Ray nodes, database).
+
+Built the way the sandbox image is (``sandboxes.image``): no container registry is reachable, so
+debootstrap writes a Debian root filesystem from the mirror in the machine's apt sources, the
+Python dependencies come as wheels from pip's own configured index or cache (``pip wheel``, run on
+the build machine), are installed into a virtual environment inside the root filesystem with
+``--no-index``, the project's files are copied in, and ``docker import`` makes the image. The
+Debian packages add PostgreSQL and Redis servers, so the compose file needs no image from a
+registry either (one image, several commands).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandboxes.image import ImageBuildError, _run, apt_mirror_for_suite, docker_image_id
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_DIR = "/opt/flowstate/app"
+VENV_DIR = "/opt/flowstate/venv"
+APP_PACKAGES: tuple[str, ...] = (
+    "python3", "python3-venv", "git", "ca-certificates", "util-linux", "tini", "curl",
+    "postgresql", "redis-server",
+)
+
+
+@dataclass(frozen=True)
+class AppImageConfig:
+    """What goes into the application image and where its build keeps its caches."""
+
+    image: str = "flowstate-app:latest"
+    """Docker reference to create, ``repository:tag``."""
+    cache_dir: Path = field(default_factory=lambda: ROOT / "var" / "cache" / "app-image")
+    """Keeps the wheelhouse and the base root filesystem between builds."""
+    suite: str = "bookworm"
+    """Debian release; its python3 must be the minor version the wheels are built for (3.11)."""
+    packages: tuple[str, ...] = APP_PACKAGES
+    """Debian packages of the base root filesystem."""
+    app_uid: int = 1000
+    """Numeric id of the unprivileged ``flowstate`` user the processes run as."""
+    mirror: str | None = None
+    """Debian mirror URL; ``None`` reads it from the machine's apt sources (never hard-coded)."""
+    source: Path = ROOT
+    """Project checkout to install (its tracked files, plus the built ``static/vendor``)."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.image.rsplit("/", 1)[-1]:
+            raise ValueError(f"image={self.image!r} needs an explicit tag, e.g. {self.image}:latest")
+        if not 1 <= self.app_uid < 65534:
+            raise ValueError(f"app_uid={self.app_uid} must be an ordinary user id (1..65533), not root")
+        if sys.version_info[:2] != (3, 11):
+            raise ValueError("build the image with Python 3.11: the wheels must match the image's python3")
+
+    def base_fingerprint(self, mirror: str) -> str:
+        payload = json.dumps({"suite": self.suite, "packages": sorted(self.packages), "uid": self.app_uid,
+                              "mirror": mirror, "layout": 1}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def app_image_build(*, config: AppImageConfig, force: bool = False) -> str:
+    """Build (or keep) ``config.image``; returns its image id. Base rootfs and wheels are cached."""
+    existing = docker_image_id(image=config.image)
+    if existing and not force:
+        logger.info("image %s already present (%s); use force to rebuild", config.image, existing)
+        return existing
+    if os.geteuid() != 0:
+        raise ImageBuildError("debootstrap and chroot need root; run build_app_image as root (or via sudo)")
+    if shutil.which("debootstrap") is None:
+        raise ImageBuildError("debootstrap is not installed; apt-get install debootstrap")
+    mirror = config.mirror or apt_mirror_for_suite(suite=config.suite)
+    config.cache_dir.mkdir(parents=True, exist_ok=True)
+    base = config.cache_dir / f"base-{config.suite}-{config.base_fingerprint(mirror)}.tar"
+    if force or not base.exists():
+        _base_build(config=config, mirror=mirror, tarball=base)
+    wheels = _wheelhouse(config=config)
+    with tempfile.TemporaryDirectory(prefix="app-rootfs-", dir=config.cache_dir) as scratch:
+        root = Path(scratch) / "root"
+        root.mkdir()
+        _run(["tar", "--numeric-owner", "-xf", str(base), "-C", str(root)], step="unpack base rootfs")
+        _install(config=config, root=root, wheels=wheels)
+        tarball = Path(scratch) / "app.tar"
+        _run(["tar", "--numeric-owner", "--exclude=./dev/*", "-C", str(root), "-cf", str(tarball), "."],
+             step="pack rootfs")
+        return _import(config=config, tarball=tarball)
+
+
+def _base_build(*, config: AppImageConfig, mirror: str, tarball: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="app-base-", dir=config.cache_dir) as scratch:
+        root = Path(scratch) / "root"
+        _run(["debootstrap", "--variant=minbase", f"--include={','.join(config.packages)}", config.suite,
+              str(root), mirror], step="debootstrap")
+        _run(["chroot", str(root), "useradd", "--uid", str(config.app_uid), "--create-home", "--shell",
+              "/bin/bash", "flowstate"], step="create flowstate user")
+        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for entry in (root / cache).glob("*"):
+                if entry.is_file():
+                    entry.unlink()
+        partial = tarball.with_suffix(".tar.partial")
+        _run(["tar", "--numeric-owner", "--exclude=./dev/*", "-C", str(root), "-cf", str(partial), "."],
+             step="pack base rootfs")
+        partial.replace(tarball)
+
+
+def _wheelhouse(*, config: AppImageConfig) -> Path:
+    """Wheels of the project and every dependency, from pip's configured index or its cache."""
+    wheels = config.cache_dir / "wheels"
+    wheels.mkdir(exist_ok=True)
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels), str(config.source)],
+         step="pip wheel", timeout=3600)
+    return wheels
+
+
+def _tracked_files(source: Path) -> list[str]:
+    listed = subprocess.run(["git", "-C", str(source), "ls-files", "-z"], capture_output=True, check=True)
+    return [name for name in listed.stdout.decode().split("\0") if name]
+
+
+def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
+    app = root / APP_DIR.lstrip("/")
+    for name in _tracked_files(config.source):
+        target = app / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (config.source / name).is_file():
+            shutil.copy2(config.source / name, target)
+    vendor = config.source / "static" / "vendor"
+    if vendor.is_dir():  # built by `make static` (npm); the web process serves or collects it
+        shutil.copytree(vendor, app / "static" / "vendor", dirs_exist_ok=True)
+    inside = root / "tmp" / "wheels"
+    shutil.copytree(wheels, inside)
+    _run(["chroot", str(root), "python3", "-m", "venv", VENV_DIR], step="create venv")
+    _run(["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--no-index", "--find-links",
+          "/tmp/wheels", "flowstate"], step="install wheels", timeout=3600)
+    shutil.rmtree(inside)
+    state = root / "var" / "lib" / "flowstate"
+    state.mkdir(parents=True, exist_ok=True)
+    os.chown(state, config.app_uid, config.app_uid)
+
+
+def _import(*, config: AppImageConfig, tarball: Path) -> str:
+    import docker
+
+    changes = [
+        f"WORKDIR {APP_DIR}",
+        f"ENV PATH={VENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "ENV LANG=C.UTF-8 PYTHONUNBUFFERED=1 DJANGO_SETTINGS_MODULE=webapp.settings "
+        "FLOWSTATE_STATE_DIR=/var/lib/flowstate OMP_NUM_THREADS=1",
+        f"USER {config.app_uid}:{config.app_uid}",
+        'ENTRYPOINT ["/usr/bin/tini", "--"]',
+        'CMD ["python", "-m", "uvicorn", "webapp.asgi:application", "--host", "0.0.0.0", "--port", "8000", '
+        '"--ws-per-message-deflate", "false"]',
+        "LABEL flowstate.app-image=1",
+    ]
+    repository, tag = config.image.rsplit(":", 1)
+    client = docker.from_env()
+    try:
+        client.api.import_image(src=str(tarball), repository=repository, tag=tag, changes=changes)
+        return client.images.get(config.image).id
+    except docker.errors.APIError as exc:
+        raise ImageBuildError(f"docker import of {tarball} failed: {exc}") from exc
+    finally:
+        client.close()
