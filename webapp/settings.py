@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "webapp.agents",
     "webapp.fleet",
     "webapp.experiments",
+    "webapp.registry",
 ]
 
 MIDDLEWARE = [
@@ -199,6 +200,7 @@ SANDBOX_IMAGE = env_str("SANDBOX_IMAGE", "flowstate-sandbox:latest")
 SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(default_sandbox_root(STATE_DIR))))
 RAY_ADDRESS = env_optional("RAY_ADDRESS")
 MODEL_CHECKPOINT = env_optional("FLOWSTATE_MODEL_CHECKPOINT")
+MODELS_ROOT = Path(env_str("FLOWSTATE_MODELS_ROOT", str(STATE_DIR / "models")))
 # /metrics: staff sessions, or a scraper sending `Authorization: Bearer <METRICS_TOKEN>` (unset: staff only).
 METRICS_TOKEN = env_optional("METRICS_TOKEN")
 OPENAI_BASE_URL = env_optional("OPENAI_BASE_URL")

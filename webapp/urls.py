@@ -18,6 +18,7 @@ urlpatterns = [
     path("tasks/", include("webapp.agents.urls")),
     path("fleet/", include("webapp.fleet.urls")),
     path("experiments/", include("webapp.experiments.urls")),
+    path("models/", include("webapp.registry.urls")),
     path("api/", include("webapp.core.api_urls")),
     path("v1/", include("webapp.agents.openai_urls")),
 ]
