@@ -49,7 +49,7 @@ def test_export_reloads_in_transformers_with_identical_logits(db, qwen3_moe_dir,
     call_command("import_model", str(directory), "--name", "exported")
     out = tmp_path / "out"
     call_command("export_model", "exported", str(out))
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids, mask = padded_batch(reloaded.config.vocab_size)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits,

@@ -139,7 +139,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         if family.moe:
             fields.update(
                 feed_forward="moe",
-                n_experts=int(hf_config[family.experts_key]),
+                n_experts=int(hf_config.get(family.experts_key) or hf_config.get("num_local_experts")
+                              or hf_config["num_experts"]),
                 top_k=int(hf_config["num_experts_per_tok"]),
                 d_ff_expert=int(hf_config[family.expert_width_key]),
                 normalize_top_k_weights=family.always_normalize or bool(hf_config.get("norm_topk_prob", False)),

@@ -50,7 +50,7 @@ def build_hf_model(model_type: str, seed: int = 0):
     """A random transformers model of the family in fp32, eval mode."""
     torch.manual_seed(seed)
     config = family_configs()[model_type]
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 
 
