@@ -37,8 +37,8 @@ def test_import_registers_counts_checksum_and_copies_files(db, qwen3_moe_dir, mo
     assert model.total_parameters == sum(p.numel() for p in reference.parameters())
     assert model.active_parameters < model.total_parameters
     assert len(model.checksum) == 64
-    assert sorted(p.name for p in (models_root / "qwen3-moe-tiny").iterdir()) >= [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert {p.name for p in (models_root / "qwen3-moe-tiny").iterdir()} >= {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert "Registered qwen3-moe-tiny" in capsys.readouterr().out
     with pytest.raises(CommandError, match="already registered"):
         call_command("import_model", str(directory), "--name", "qwen3-moe-tiny")
@@ -61,11 +61,20 @@ def test_sharded_import_and_export(db, qwen3_moe_dir, models_root, tmp_path):
     directory, reference = qwen3_moe_dir
     sharded = tmp_path / "sharded"
     reference.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(directory / name, sharded / name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (directory / name).exists():
+            shutil.copyfile(directory / name, sharded / name)
     assert (sharded / "model.safetensors.index.json").exists()
     call_command("import_model", str(sharded), "--name", "sharded")
     assert RegisteredModel.objects.get(name="sharded").size_bytes > 0
+    out = tmp_path / "out"
+    from webapp.registry.services import export_model
+
+    export_model(model=RegisteredModel.objects.get(name="sharded"), out_dir=out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids, mask = padded_batch(reloaded.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize(

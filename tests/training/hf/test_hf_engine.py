@@ -25,7 +25,13 @@ def reference_greedy(reference, prompt: list[int]) -> tuple[list[int], list[floa
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+# CI runs one dense family (with llama3 rope scaling) and one MoE family; the rest with -m slow.
+FAST = ("llama", "qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow) for t in ALL_FAMILIES]
+)
 def test_engine_greedy_matches_generate(hf_checkpoints, model_type):
     directory, reference = hf_checkpoints[model_type]
     model, _, _ = load_hf_model(directory, dtype=torch.float32)
