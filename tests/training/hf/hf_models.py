@@ -15,7 +15,7 @@ COMMON = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 1024,
     "initializer_range": 0.1,
 }
 MOE = {"num_experts_per_tok": 2}
