@@ -85,3 +85,25 @@ def test_hf_chat_model_parses_the_tool_calls_it_generates(source_dir):
         assert chat_model.stop_ids and ids[-1] in chat_model.stop_ids
     finally:
         chat_model.close()
+
+
+def test_builtin_task_runs_a_registered_model_the_owner_may_use(registered, owner, outsider, settings):
+    from django.core.exceptions import ValidationError
+
+    from webapp.agents.services import task_create
+
+    settings.MODEL_CHECKPOINT = None
+    arguments = {"prompt": "fix it", "backend": "builtin", "git_url": "https://example.com/x.git",
+                 "builtin_base_url": "http://testserver/v1", "enqueue": False}
+    task = task_create(owner=owner, model_name="tiny-private", **arguments)
+    assert task.model_name == "tiny-private" and task.backend == "builtin"
+    with pytest.raises(ValidationError, match="not a registered model you may use"):
+        task_create(owner=outsider, model_name="tiny-private", **arguments)
+    with pytest.raises(ValidationError, match="not configured"):
+        task_create(owner=outsider, **arguments)
+
+
+def test_task_form_offers_visible_registered_models(client, registered, outsider):
+    client.force_login(outsider)
+    page = client.get("/tasks/").content.decode()
+    assert 'value="tiny-public"' in page and "tiny-private" not in page

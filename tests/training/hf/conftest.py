@@ -8,6 +8,7 @@ import pytest
 
 from tests.training.hf.hf_models import ALL_FAMILIES, save_hf_directory
 
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """model_type -> (saved directory, the transformers model), built once per session."""
