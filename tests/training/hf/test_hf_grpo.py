@@ -62,3 +62,18 @@ def test_grpo_step_with_routing_replay_lowers_loss_and_exports(hf_checkpoints, m
     torch.testing.assert_close(ours[attention.bool()], expected[attention.bool()], atol=1e-4, rtol=0)
     again, _, _ = load_hf_model(tmp_path, dtype=torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def test_imported_moe_runs_mxfp8_experts_with_routing_replay(hf_checkpoints):
+    directory, _ = hf_checkpoints["qwen3_moe"]  # d_model 64 and expert width 32: multiples of the MX block
+    model, _, _ = load_hf_model(directory, dtype=torch.float32)
+    ids, attention = padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        reference = model(ids, compute_router_losses=False, return_routing=True)
+    model.config.precision = "mxfp8"
+    out = model(ids, compute_router_losses=False, routing_override=reference.routed_experts)
+    valid = attention.bool()
+    error = (out.logits[valid] - reference.logits[valid]).abs().max()
+    assert 0 < error < 0.1 * reference.logits[valid].abs().max()  # quantised, yet close
+    out.logits[valid].logsumexp(-1).sum().backward()
+    assert model.layers[0].feed_forward.w_gate.grad.abs().sum() > 0
