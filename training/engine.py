@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from training.model.fused_forward import FusedForward
+from training.model.fused_forward import FusedForward, fused_forward_supports
 from training.model.kv_cache import KVCache
 from training.model.transformer import MoETransformer
 from training.model.weights_watch import WeightsWatch
@@ -204,7 +204,8 @@ class GenerationEngine:
             device=device,
         )
         self.record_routing = self.config.record_routing and model.config.is_moe
-        self.fused_forward = FusedForward(model) if self.config.fused_forward else None
+        fused = self.config.fused_forward and fused_forward_supports(model.config)
+        self.fused_forward = FusedForward(model) if fused else None
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}
         self._free_slots = list(range(self.config.max_batch_size))

@@ -206,7 +206,7 @@ class ChatModel:
         """
         if self._closed:
             raise ServingError(f"ChatModel {self.name!r} is closed.")
-        prompt_ids = encode_messages(self.tokenizer, messages, tools)
+        prompt_ids = self._prompt_ids(messages, tools)
         room = self.engine.max_seq_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
@@ -218,7 +218,7 @@ class ChatModel:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop_token_ids=self.tokenizer.stop_token_ids,
+            stop_token_ids=self._stop_token_ids(),
             constraint=self._copy_constraint(messages) if tools and self.copy_constraint else None,
         )
         submission = _Submission(prompt_ids, params, queue.Queue())
@@ -277,6 +277,13 @@ class ChatModel:
             self._worker.join(timeout=30)
 
     # ------------------------------------------------------------------ internals
+    def _prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[int]:
+        """The prompt's token ids in this model's chat format (overridden for imported models)."""
+        return encode_messages(self.tokenizer, messages, tools)
+
+    def _stop_token_ids(self) -> Sequence[int]:
+        return self.tokenizer.stop_token_ids
+
     def _copy_constraint(self, messages: Sequence[dict[str, Any]]) -> CopyConstraint | None:
         sources = copy_sources(messages)
         if not sources:

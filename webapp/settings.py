@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "webapp.fleet",
     "webapp.experiments",
     "webapp.mining",
+    "webapp.registry",
 ]
 
 MIDDLEWARE = [
@@ -205,6 +206,7 @@ RAY_ADDRESS = env_optional("RAY_ADDRESS")
 # Unset: SANDBOX_BACKEND (read when a task starts).
 AGENT_SANDBOX_BACKEND = env_choice("AGENT_SANDBOX_BACKEND", "", ["", "local", "docker", "fleet"]) or None
 MODEL_CHECKPOINT = env_optional("FLOWSTATE_MODEL_CHECKPOINT")
+MODELS_ROOT = Path(env_str("FLOWSTATE_MODELS_ROOT", str(STATE_DIR / "models")))
 # /metrics: staff sessions, or a scraper sending `Authorization: Bearer <METRICS_TOKEN>` (unset: staff only).
 METRICS_TOKEN = env_optional("METRICS_TOKEN")
 OPENAI_BASE_URL = env_optional("OPENAI_BASE_URL")

@@ -19,6 +19,7 @@ urlpatterns = [
     path("fleet/", include("webapp.fleet.urls")),
     path("experiments/", include("webapp.experiments.urls")),
     path("mining/", include("webapp.mining.urls")),
+    path("models/", include("webapp.registry.urls")),
     path("api/", include("webapp.core.api_urls")),
     path("v1/", include("webapp.agents.openai_urls")),
 ]

@@ -14,6 +14,10 @@ from typing import Any, Literal
 
 Precision = Literal["fp32", "bf16", "mxfp8"]
 FeedForwardKind = Literal["moe", "dense"]
+QKNorm = Literal["none", "head", "full"]
+
+QK_NORMS: tuple[str, ...] = ("none", "head", "full")
+ROPE_SCALING_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "mxfp8")
 FEED_FORWARD_KINDS: tuple[str, ...] = ("moe", "dense")
@@ -80,13 +84,33 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
 
+    attention_head_dim: int | None = None
+    """Width of one attention head when it is not d_model / n_heads (Qwen3 sets it explicitly)."""
+
+    qk_norm: QKNorm = "none"
+    """RMSNorm of queries and keys before the rotary embedding: "head" normalises each head (Qwen3,
+    Qwen3-MoE), "full" the whole projection (OLMoE), "none" neither (Llama, Qwen2, Mixtral, ours)."""
+
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2; Llama/Qwen3 with attention_bias)."""
+
+    output_bias: bool = False
+    """Bias on the attention output projection (Llama/Qwen3/OLMoE with attention_bias)."""
+
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary frequency scaling as in a Hugging Face config: {"rope_type": "linear", "factor": f} or the
+    "llama3" kind (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
+
+    clip_qkv: float | None = None
+    """Clamp query, key and value projections to [-clip_qkv, clip_qkv] (OLMoE's option)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
 
     def validate(self) -> None:
         """Raise ModelConfigError when fields are out of range or contradict each other."""
@@ -99,7 +123,12 @@ class ModelConfig:
             )
         if self.precision not in PRECISIONS:
             raise ModelConfigError(f"precision={self.precision!r} is unknown; use one of {PRECISIONS}.")
-        if self.d_model % self.n_heads:
+        if self.attention_head_dim is not None and self.attention_head_dim <= 0:
+            raise ModelConfigError(f"attention_head_dim must be positive, got {self.attention_head_dim}.")
+        if self.qk_norm not in QK_NORMS:
+            raise ModelConfigError(f"qk_norm={self.qk_norm!r} is unknown; use one of {QK_NORMS}.")
+        self._validate_rope_scaling()
+        if self.attention_head_dim is None and self.d_model % self.n_heads:
             raise ModelConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"pick n_heads among the divisors of d_model (e.g. {_divisors_hint(self.d_model)})."
@@ -138,6 +167,20 @@ class ModelConfig:
                         f"{-(-value // MX_BLOCK_SIZE) * MX_BLOCK_SIZE} or use precision='bf16'."
                     )
 
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        if kind not in ROPE_SCALING_TYPES:
+            raise ModelConfigError(
+                f"rope_scaling type {kind!r} is not supported; supported types are {ROPE_SCALING_TYPES}."
+            )
+        needed = {"linear": ("factor",), "llama3": (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}.get(kind, ())
+        missing = [key for key in needed if key not in self.rope_scaling]
+        if missing:
+            raise ModelConfigError(f"rope_scaling of type {kind!r} lacks {missing}.")
+
     @property
     def is_moe(self) -> bool:
         """True when the feed-forward layers are routed experts."""
@@ -152,6 +195,10 @@ class ModelConfig:
     def parameter_counts(self) -> dict[str, int]:
         """Total and per-token active parameter counts (embeddings included once when tied)."""
         attention = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attention += self.head_dim * (self.n_heads + 2 * self.n_kv_heads) * self.qkv_bias
+        attention += self.d_model * self.output_bias
+        attention += {"none": 0, "head": 2 * self.head_dim,
+                      "full": self.head_dim * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
         norms = 2 * self.d_model
         if self.is_moe:
             expert = 3 * self.d_model * self.d_ff_expert

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from training.model.config import ModelConfig
 from training.model.kv_cache import KVCache
 from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
 from training.model.transformer import MoETransformer, TransformerBlock
@@ -175,6 +176,12 @@ class _Step:
     cos: torch.Tensor
     sin: torch.Tensor
     """[B * T, 1, head_dim] each."""
+
+
+def fused_forward_supports(config: ModelConfig) -> bool:
+    """Whether the fused path computes this model: not with qk-norm, attention biases or qkv clipping
+    (options of imported Hugging Face families), which run MoETransformer.forward instead."""
+    return config.qk_norm == "none" and not config.qkv_bias and not config.output_bias and config.clip_qkv is None
 
 
 class FusedForward:

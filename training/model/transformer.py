@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             return
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-        inv_freq = 1.0 / (self.config.rope_theta**exponents)
+        inv_freq = scaled_inverse_frequencies(1.0 / (self.config.rope_theta**exponents), self.config.rope_scaling)
         angles = torch.outer(
             torch.arange(self.config.max_seq_len, dtype=torch.float64, device=device), inv_freq
         )
@@ -91,6 +92,25 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, head_dim] broadcastable over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def scaled_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Apply a Hugging Face rope_scaling ("linear" or "llama3"; "default" and None leave it) to the
+    rotary inverse frequencies, with the same formulas as transformers' modeling_rope_utils."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    old_context = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < old_context / high) & ~(wavelength > old_context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +127,35 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+        self.clip_qkv = config.clip_qkv
+        self.wq = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=config.output_bias)
+        self.qk_norm = config.qk_norm
+        self.q_norm = self.k_norm = None
+        if config.qk_norm != "none":
+            q_width = config.head_dim if config.qk_norm == "head" else config.n_heads * config.head_dim
+            k_width = config.head_dim if config.qk_norm == "head" else config.n_kv_heads * config.head_dim
+            self.q_norm = nn.RMSNorm(q_width, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(k_width, eps=config.norm_eps)
+
+    def _project(self, x: torch.Tensor, projection: nn.Linear, norm: nn.RMSNorm | None, heads: int) -> torch.Tensor:
+        """x [B, T, d_model] -> [B, heads, T, head_dim] through the projection, qk-norm and clipping."""
+        batch, length, _ = x.shape
+        out = projection(x)
+        if norm is not None and self.qk_norm == "full":
+            out = norm(out)
+        out = out.view(batch, length, heads, self.head_dim)
+        if norm is not None and self.qk_norm == "head":
+            out = norm(out)
+        if self.clip_qkv is not None:
+            out = out.clamp(-self.clip_qkv, self.clip_qkv)
+        return out.transpose(1, 2)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Queries [B, n_heads, T, head_dim] before the rotary embedding."""
+        return self._project(x, self.wq, self.q_norm, self.n_heads)
 
     def forward(
         self,
@@ -142,13 +187,12 @@ class Attention(nn.Module):
         if query_positions is not None:
             rows = torch.arange(batch, device=x.device)[:, None]
             queries = query_positions.shape[1]
-            q = self.wq(x[rows, query_positions]).view(batch, queries, self.n_heads, self.head_dim).transpose(1, 2)
+            q = self.queries(x[rows, query_positions])
             q = apply_rotary(q, cos[:, 0][rows, query_positions].unsqueeze(1), sin[:, 0][rows, query_positions].unsqueeze(1))
             visible = torch.arange(offset + length, device=x.device) <= offset + query_positions[:, None, :, None]
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
             return self.wo(attended.transpose(1, 2).reshape(batch, queries, self.n_heads * self.head_dim))
-        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
+        q = apply_rotary(self.queries(x), cos, sin)
         if prefix is not None:
             visible = torch.arange(offset + length, device=x.device) <= offset + torch.arange(length, device=x.device)[:, None]
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
@@ -163,9 +207,8 @@ class Attention(nn.Module):
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys with the rotary embedding applied, values), each [B, n_kv_heads, T, head_dim]."""
-        batch, length, _ = x.shape
-        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = self._project(x, self.wk, self.k_norm, self.n_kv_heads)
+        v = self._project(x, self.wv, None, self.n_kv_heads)
         return apply_rotary(k, cos, sin), v
 
 
@@ -241,9 +284,16 @@ class MoETransformer(nn.Module):
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
         for block in self.layers:
-            for projection in (block.attention.wq, block.attention.wk, block.attention.wv):
+            attention = block.attention
+            for projection in (attention.wq, attention.wk, attention.wv):
                 nn.init.normal_(projection.weight, std=std)
-            nn.init.normal_(block.attention.wo.weight, std=out_std)
+            nn.init.normal_(attention.wo.weight, std=out_std)
+            for projection in (attention.wq, attention.wk, attention.wv, attention.wo):
+                if projection.bias is not None:
+                    nn.init.zeros_(projection.bias)
+            for norm in (attention.q_norm, attention.k_norm):
+                if norm is not None:
+                    norm.reset_parameters()
             block.feed_forward.reset_parameters(std=std, output_std=out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()

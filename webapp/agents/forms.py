@@ -8,6 +8,7 @@ from webapp.agents.models import AgentTask
 from webapp.agents.selectors import repository_list
 from webapp.agents.validation import STEP_DELAY_RANGE, agent_limit_bounds
 from webapp.core.forms import bounded_number_field
+from webapp.registry.selectors import registered_models_visible_to
 
 
 class TaskSubmitForm(forms.Form):
@@ -17,6 +18,9 @@ class TaskSubmitForm(forms.Form):
     archive = forms.FileField(required=False, help_text=".tar.gz, .tgz, .tar or .zip")
     prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 5}), max_length=20000)
     backend = forms.ChoiceField(choices=AgentTask.Backend.choices, initial=AgentTask.Backend.SCRIPTED)
+    registered_model = forms.ModelChoiceField(
+        queryset=None, required=False, to_field_name="name", empty_label="— the configured checkpoint —",
+        help_text="Built-in backend: an imported open-weights model (see Models)")
     model_name = forms.CharField(required=False, help_text="OpenAI-compatible backend only")
     base_url = forms.CharField(required=False, label="Base URL", help_text="OpenAI-compatible backend only, e.g. https://api.openai.com/v1")
     api_key = forms.CharField(required=False, label="API key", widget=forms.PasswordInput(render_value=False))
@@ -36,6 +40,7 @@ class TaskSubmitForm(forms.Form):
             self.fields[name] = bounded_number_field(forms.IntegerField, bounds[name], min_value=minimum,
                                                      initial=self.fields[name].initial, label=self.fields[name].label)
         self.fields["repository"].queryset = repository_list(user=user)
+        self.fields["registered_model"].queryset = registered_models_visible_to(user=user)
         self.fields["share_with_team"].queryset = user.teams.all()
         repositories = list(self.fields["repository"].queryset[:2])
         if len(repositories) == 1:
@@ -44,7 +49,7 @@ class TaskSubmitForm(forms.Form):
     GROUPS = (
         ("Task", ("prompt",), True),
         ("Code: one of a registered repository, a git URL or an archive", ("repository", "git_url", "git_ref", "archive"), False),
-        ("Policy", ("backend", "model_name", "base_url", "api_key", "step_delay_s"), False),
+        ("Policy", ("backend", "registered_model", "model_name", "base_url", "api_key", "step_delay_s"), False),
         ("Limits and sharing", ("max_turns", "max_tokens", "wall_time_s", "share_with_team"), False),
     )
 
@@ -60,7 +65,9 @@ class TaskSubmitForm(forms.Form):
         return {
             "prompt": data["prompt"], "backend": backend, "repository": data.get("repository"),
             "git_url": data.get("git_url") or "", "git_ref": data.get("git_ref") or "", "archive": data.get("archive"),
-            "model_name": data.get("model_name") or "", "base_url": data.get("base_url") or "",
+            "model_name": (data["registered_model"].name if backend == AgentTask.Backend.BUILTIN
+                           and data.get("registered_model") else data.get("model_name") or ""),
+            "base_url": data.get("base_url") or "",
             "api_key": data.get("api_key") or "", "team": data.get("share_with_team"), "policy_options": policy_options,
             "limits": {"max_turns": data["max_turns"], "max_tokens": data["max_tokens"], "wall_time_s": float(data["wall_time_s"]),
                        "max_tokens_per_turn": min(1024, data["max_tokens"])},

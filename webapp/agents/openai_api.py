@@ -29,11 +29,32 @@ def _error(status: int, message: str, *, kind: str = "invalid_request_error", pa
     return JsonResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
 
 
-def _authenticated(request) -> bool:
+def _authenticated(request):
+    """The active user whose API token is the bearer key, or None."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        return False
-    return Token.objects.filter(key=key.strip(), user__is_active=True).exists()
+        return None
+    token = Token.objects.select_related("user").filter(key=key.strip(), user__is_active=True).first()
+    return token.user if token else None
+
+
+def _registered_chat_model(user, name: str):
+    """(HFChatModel of the registered model `name` visible to `user`, None), or (None, error response)."""
+    from training.hf.chat import TemplateRenderError
+    from training.hf.loading import HFDirectoryError
+    from training.hf.serving import HFChatModel
+    from training.hf.weights import WeightsError
+    from webapp.registry.selectors import registered_models_visible_to
+
+    registered = registered_models_visible_to(user=user).filter(name=name).first()
+    if registered is None:
+        return None, _error(404, f"model '{name}' does not exist; see /v1/models for the models you may use",
+                            param="model", code="model_not_found")
+    try:
+        return HFChatModel.shared(registered.directory, registered.name), None
+    except (HFDirectoryError, WeightsError, TemplateRenderError, OSError, ValueError) as exc:
+        return None, _error(503, f"model '{name}' cannot be loaded: {exc}", kind="server_error",
+                            code="model_unavailable")
 
 
 def _chat_model():
@@ -57,10 +78,8 @@ def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | N
         return None, _error(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(data, dict):
         return None, _error(400, "the request body must be a JSON object")
-    if data.get("model") != settings.AGENT_BUILTIN_MODEL_NAME:
-        return None, _error(404, f"model '{data.get('model')}' does not exist; this server serves "
-                                 f"'{settings.AGENT_BUILTIN_MODEL_NAME}' (see /v1/models)", param="model",
-                            code="model_not_found")
+    if not isinstance(data.get("model"), str) or not data["model"]:
+        return None, _error(400, "model must be a model name (see /v1/models)", param="model")
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         return None, _error(400, "messages must be a non-empty list of objects with a role", param="messages")
@@ -82,7 +101,7 @@ def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | N
     return {
         "messages": messages, "tools": tools, "max_tokens": data.get("max_completion_tokens") or data.get("max_tokens"),
         "temperature": float(data.get("temperature", 1.0)), "top_p": float(data.get("top_p", 1.0)), "seed": data.get("seed"),
-        "stream": bool(data.get("stream")), "include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
+        "model": data["model"], "stream": bool(data.get("stream")), "include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
     }, None
 
 
@@ -94,13 +113,18 @@ def _usage(completion) -> dict:
 @csrf_exempt
 @require_POST
 def chat_completions(request):
-    if not _authenticated(request):
+    user = _authenticated(request)
+    if user is None:
         return _error(401, "send your Flowstate API token as 'Authorization: Bearer <token>'", kind="authentication_error",
                       code="invalid_api_key")
     parsed, problem = _parse_request(request.body)
     if problem:
         return problem
-    model, problem = _chat_model()
+    model_name = parsed["model"]
+    if model_name == settings.AGENT_BUILTIN_MODEL_NAME:
+        model, problem = _chat_model()
+    else:
+        model, problem = _registered_chat_model(user, model_name)
     if problem:
         return problem
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -122,14 +146,14 @@ def chat_completions(request):
         if completion.tool_calls:
             message["tool_calls"] = completion.tool_calls
         return JsonResponse({
-            "id": completion_id, "object": "chat.completion", "created": created, "model": settings.AGENT_BUILTIN_MODEL_NAME,
+            "id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
             "usage": _usage(completion), "flowstate": completion.flowstate_extension(),
         })
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                "model": settings.AGENT_BUILTIN_MODEL_NAME,
+                "model": model_name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -149,7 +173,7 @@ def chat_completions(request):
                     if parsed["include_usage"]:
                         yield ("data: " + json.dumps({
                             "id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": settings.AGENT_BUILTIN_MODEL_NAME, "choices": [], "usage": _usage(completion),
+                            "model": model_name, "choices": [], "usage": _usage(completion),
                             "flowstate": completion.flowstate_extension()}) + "\n\n")
                     break
                 item = next(stream)
@@ -172,10 +196,19 @@ def chat_completions(request):
 
 @require_GET
 def models(request):
-    if not _authenticated(request):
+    from webapp.registry.selectors import registered_models_visible_to
+
+    user = _authenticated(request)
+    if user is None:
         return _error(401, "send your Flowstate API token as 'Authorization: Bearer <token>'", kind="authentication_error",
                       code="invalid_api_key")
-    return JsonResponse({"object": "list", "data": [{
+    data = [{
         "id": settings.AGENT_BUILTIN_MODEL_NAME, "object": "model", "created": 0, "owned_by": "flowstate",
         "checkpoint_configured": bool(settings.MODEL_CHECKPOINT),
-    }]})
+    }]
+    for registered in registered_models_visible_to(user=user).select_related("owner"):
+        data.append({
+            "id": registered.name, "object": "model", "created": int(registered.created_at.timestamp()),
+            "owned_by": registered.owner.username if registered.owner else "flowstate", "family": registered.family,
+        })
+    return JsonResponse({"object": "list", "data": data})

@@ -177,12 +177,11 @@ def task_create(
         if not model_name:
             raise ValidationError({"model_name": "name the model to call (or set OPENAI_MODEL)"})
     elif backend == AgentTask.Backend.BUILTIN:
-        if not settings.MODEL_CHECKPOINT:
-            raise ValidationError({"backend": "the built-in model is not configured: set FLOWSTATE_MODEL_CHECKPOINT to a checkpoint directory"})
+        model_name = _builtin_model_check(owner=owner, model_name=model_name)
         base_url = settings.AGENT_BUILTIN_BASE_URL or builtin_base_url
         if not base_url:
             raise ValidationError({"backend": "set AGENT_BUILTIN_BASE_URL so workers can reach this server's /v1 endpoint"})
-        model_name, api_key = settings.AGENT_BUILTIN_MODEL_NAME, ""
+        api_key = ""
     else:
         from training.agent.scripted import SCRIPTED_MODEL_NAME
 
@@ -204,6 +203,25 @@ def task_create(
     if enqueue:
         transaction.on_commit(lambda: task_enqueue(task_id=task.pk))
     return task
+
+
+def _builtin_model_check(*, owner, model_name: str) -> str:
+    """The model a built-in task runs: the configured checkpoint (no name, or its name) or a registered model
+    the owner may use (webapp.registry), served by this server's /v1 under the owner's token."""
+    from webapp.registry.selectors import registered_models_visible_to
+
+    requested = (model_name or "").strip()
+    if requested and requested != settings.AGENT_BUILTIN_MODEL_NAME:
+        visible = registered_models_visible_to(user=owner)
+        if not visible.filter(name=requested).exists():
+            names = ", ".join(visible.values_list("name", flat=True)[:20]) or "none"
+            raise ValidationError({"model_name": f"'{requested[:100]}' is not a registered model you may use "
+                                                 f"(yours: {names}; see the Models page)"})
+        return requested
+    if not settings.MODEL_CHECKPOINT:
+        raise ValidationError({"backend": "the built-in model is not configured: set FLOWSTATE_MODEL_CHECKPOINT to a "
+                                          "checkpoint directory, or choose a registered model"})
+    return settings.AGENT_BUILTIN_MODEL_NAME
 
 
 @transaction.atomic

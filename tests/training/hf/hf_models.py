@@ -1,0 +1,105 @@
+"""Tiny random Hugging Face models of every supported family, built and saved locally (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.1,
+}
+MOE = {"num_experts_per_tok": 2}
+
+
+def family_configs() -> dict[str, object]:
+    """model_type -> a tiny transformers config exercising the family's options."""
+    return {
+        "llama": transformers.LlamaConfig(
+            **COMMON, intermediate_size=96, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+        "qwen2": transformers.Qwen2Config(**COMMON, intermediate_size=96, rope_theta=1000.0),
+        "qwen3": transformers.Qwen3Config(**COMMON, intermediate_size=96, head_dim=32, tie_word_embeddings=True),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **COMMON, **MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16,
+            norm_topk_prob=True,
+        ),
+        "olmoe": transformers.OlmoeConfig(**COMMON, **MOE, intermediate_size=32, num_experts=4, clip_qkv=8.0),
+        "mixtral": transformers.MixtralConfig(
+            **COMMON, **MOE, intermediate_size=32, num_local_experts=4, sliding_window=None
+        ),
+    }
+
+
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+ALL_FAMILIES = tuple(family_configs())
+
+
+def build_hf_model(model_type: str, seed: int = 0):
+    """A random transformers model of the family in fp32, eval mode."""
+    torch.manual_seed(seed)
+    config = family_configs()[model_type]
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def padded_batch(vocab: int, lengths=(11, 7, 3), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids [B, T] and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), longest), generator=generator)
+    mask = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+# A Qwen2.5-style template with Hermes tool calls (the shape of the real one, much shorter).
+QWEN_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ messages[0].content if messages[0].role == 'system' else "
+    "'You are a helpful assistant.' }}\n\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}"
+    "{% endfor %}\n</tools>\nReturn calls as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
+    "<|im_end|>\n{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'system' %}{%- continue %}{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- if message.content %}{{ message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+
+
+def write_tokenizer_files(directory, chat_template: str = QWEN_TEMPLATE) -> None:
+    """A byte-level tokenizer (256 byte tokens, no merges, the special tokens above) with the template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory)
+
+
+def save_hf_directory(model_type: str, directory, seed: int = 0):
+    """Save a tiny random model of the family with tokenizer files; returns the transformers model."""
+    model = build_hf_model(model_type, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer_files(directory)
+    return model

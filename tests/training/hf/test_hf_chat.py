@@ -1,0 +1,121 @@
+"""The model's own chat template renders conversations; tool calls round-trip through each syntax."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.training.hf.hf_models import QWEN_TEMPLATE, write_tokenizer_files
+from training.hf.chat import (
+    HFChatFormat,
+    HFToolCallParseError,
+    TemplateRenderError,
+    ToolCallStream,
+    load_tokenizer,
+)
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for message in messages %}{% if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{% elif message.role == 'assistant' %}{% if message.tool_calls %}[TOOL_CALLS]["
+    "{% for call in message.tool_calls %}{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "{% else %}{{ message.content }}{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Fix the bug in a.py"}]
+REPLY = {"role": "assistant", "content": "Let me look.", "tool_calls": [
+    {"id": "call_1", "type": "function",
+     "function": {"name": "read_file", "arguments": json.dumps({"path": "a.py"})}},
+    {"id": "call_2", "type": "function",
+     "function": {"name": "read_file", "arguments": json.dumps({"path": "b/ü.py", "lines": [1, 2]})}},
+]}
+
+
+def formats() -> dict[str, HFChatFormat]:
+    return {
+        "hermes": HFChatFormat(template=QWEN_TEMPLATE, special_tokens={"eos_token": "<|im_end|>"},
+                               tool_style="hermes"),
+        "mistral": HFChatFormat(template=MISTRAL_TEMPLATE, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+                                tool_style="mistral"),
+    }
+
+
+def _calls(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("style", ["hermes", "mistral"])
+def test_render_then_parse_round_trips_tool_calls(style):
+    chat = formats()[style]
+    prompt = chat.render(CONVERSATION, tools=TOOLS)
+    assert "read_file" in prompt and "Fix the bug in a.py" in prompt
+    completion = chat.render_assistant(CONVERSATION, REPLY, tools=TOOLS)
+    content, calls = chat.parse(completion)
+    assert _calls(calls) == _calls(REPLY["tool_calls"])
+    assert content == (REPLY["content"] if style == "hermes" else "")
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
+
+
+@pytest.mark.parametrize("style", ["hermes", "mistral"])
+def test_streaming_parse_equals_whole_parse_for_every_split(style):
+    chat = formats()[style]
+    completion = chat.render_assistant(CONVERSATION, REPLY, tools=TOOLS)
+    whole_content, whole_calls = chat.parse(completion)
+    for size in (1, 2, 3, 7, len(completion)):
+        stream = ToolCallStream(chat)
+        streamed = "".join(stream.feed(completion[i:i + size]) for i in range(0, len(completion), size))
+        rest, calls = stream.finish()
+        assert streamed + rest == whole_content
+        assert _calls(calls) == _calls(whole_calls)
+
+
+def test_streaming_plain_text_is_passed_through_and_partial_marker_held():
+    chat = formats()["hermes"]
+    stream = ToolCallStream(chat)
+    assert stream.feed("Hello <tool") == "Hello"
+    assert stream.feed("box> ok") == " <toolbox> ok"
+    assert stream.finish() == ("", [])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("x<tool_call>\n{\"name\": \"a\", \"arguments\": {}}", "not closed"),
+    ("<tool_call>\n{nope}\n</tool_call>", "not valid JSON"),
+    ("<tool_call>\n{\"arguments\": {}}\n</tool_call>", "needs a string \"name\""),
+    ("<tool_call>\n{\"name\": \"a\", \"arguments\": [1]}\n</tool_call>", "must be a JSON object"),
+])
+def test_malformed_hermes_calls_are_refused(text, message):
+    with pytest.raises(HFToolCallParseError, match=message):
+        formats()["hermes"].parse(text)
+
+
+def test_template_runs_sandboxed():
+    hostile = HFChatFormat(template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TemplateRenderError):
+        hostile.render(CONVERSATION)
+    mutating = HFChatFormat(template="{% set _ = messages.append(1) %}{{ messages | length }}")
+    with pytest.raises(TemplateRenderError):
+        mutating.render(CONVERSATION)
+    raising = HFChatFormat(template="{{ raise_exception('no system role') }}")
+    with pytest.raises(TemplateRenderError, match="no system role"):
+        raising.render(CONVERSATION)
+
+
+def test_from_directory_matches_transformers_apply_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer_files(tmp_path)
+    chat = HFChatFormat.from_directory(tmp_path)
+    assert chat.tool_style == "hermes" and chat.special_tokens["eos_token"] == "<|im_end|>"
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [*CONVERSATION, {**REPLY, "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+        for call in REPLY["tool_calls"]]}, {"role": "tool", "content": "print(1)"}]
+    expected = reference.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert chat.render(messages, tools=TOOLS) == expected
+    tokenizer = load_tokenizer(tmp_path)
+    ids = tokenizer.encode(expected, add_special_tokens=False).ids
+    assert tokenizer.token_to_id("<|im_start|>") in ids and tokenizer.decode(ids, skip_special_tokens=False) == expected

@@ -1,0 +1,247 @@
+"""Chat format of an imported model: its own Jinja chat template, its own tool-call syntax.
+
+Messages and tool schemas are rendered with the template from tokenizer_config.json in Jinja's
+ImmutableSandboxedEnvironment, configured as transformers does (trim_blocks, lstrip_blocks, loop
+controls, `tojson`, `raise_exception`, `strftime_now`), so a hostile template can neither reach Python
+objects nor mutate the messages. Generated text is split into content and OpenAI `tool_calls` by the
+family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks or Mistral `[TOOL_CALLS][...]`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from training.hf.directory import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_chat_template
+
+ToolStyle = Literal["hermes", "mistral", "none"]
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+MISTRAL_START = "[TOOL_CALLS]"
+
+
+class TemplateRenderError(ValueError):
+    """The model's chat template failed on these messages; the message carries the template's error."""
+
+
+class HFToolCallParseError(ValueError):
+    """Generated text whose tool-call syntax is malformed; `text` is the raw generation."""
+
+    def __init__(self, message: str, *, text: str) -> None:
+        super().__init__(message)
+        self.text = text
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def sandboxed_template(source: str):
+    """The compiled template in an immutable sandbox with transformers' globals and filters."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment.from_string(source)
+
+
+def tool_style_of(template: str) -> ToolStyle:
+    """The tool-call syntax a template writes: Hermes/Qwen blocks, Mistral's marker, or none."""
+    if HERMES_START in template:
+        return "hermes"
+    if MISTRAL_START in template:
+        return "mistral"
+    return "none"
+
+
+def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as templates expect them: tool-call arguments as objects, not JSON strings."""
+    converted = copy.deepcopy(list(messages))
+    for message in converted:
+        for call in message.get("tool_calls") or ():
+            function = call.get("function", {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # left as text: the template shows what the caller sent
+    return converted
+
+
+@dataclass
+class HFChatFormat:
+    """An imported model's template, special tokens and tool-call syntax."""
+
+    template: str
+    """Jinja source of the chat template."""
+
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    """bos_token / eos_token / pad_token strings from tokenizer_config.json (passed to the template)."""
+
+    tool_style: ToolStyle = "none"
+    """Syntax the model writes tool calls in."""
+
+    def __post_init__(self) -> None:
+        try:
+            self._compiled = sandboxed_template(self.template)
+        except TemplateError as error:
+            raise TemplateRenderError(f"The chat template does not compile: {error}") from error
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> HFChatFormat:
+        directory = Path(directory)
+        template = read_chat_template(directory)
+        config = json.loads((directory / TOKENIZER_CONFIG_FILE).read_text())
+        special = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return cls(template=template, special_tokens=special, tool_style=tool_style_of(template))
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text of `messages` (OpenAI format) and tool schemas, by the model's template."""
+        try:
+            return self._compiled.render(
+                messages=_template_messages(messages), tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
+            )
+        except TemplateError as error:
+            raise TemplateRenderError(f"The model's chat template refused the messages: {error}") from error
+
+    def render_assistant(self, messages: Sequence[dict[str, Any]], reply: dict[str, Any],
+                         *, tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The text the template gives the assistant `reply` after `messages` (what the model must write)."""
+        prompt = self.render(messages, tools=tools, add_generation_prompt=True)
+        full = self.render([*messages, reply], tools=tools, add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise TemplateRenderError("The template renders earlier turns differently once a reply follows.")
+        return full[len(prompt):]
+
+    def parse(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) of a generation (the eos token, if present, is dropped)."""
+        eos = self.special_tokens.get("eos_token")
+        if eos:
+            text = text.split(eos, 1)[0]
+        return parse_tool_calls(text, self.tool_style)
+
+
+def _openai_call(name: Any, arguments: Any, number: int, text: str) -> dict[str, Any]:
+    if not isinstance(name, str) or not name:
+        raise HFToolCallParseError(f'Tool call {number} needs a string "name".', text=text)
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as error:
+            raise HFToolCallParseError(f"Tool call {number} arguments are not JSON: {error}", text=text) from error
+    if not isinstance(arguments, dict):
+        raise HFToolCallParseError(f'Tool call {number} "arguments" must be a JSON object.', text=text)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _load_json(body: str, number: int, text: str) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise HFToolCallParseError(f"Tool call {number} is not valid JSON: {error}", text=text) from error
+
+
+def parse_tool_calls(text: str, style: ToolStyle) -> tuple[str, list[dict[str, Any]]]:
+    """Split generated text into (content, tool_calls) by the family's tool-call syntax."""
+    if style == "hermes" and HERMES_START in text:
+        content, _, rest = text.partition(HERMES_START)
+        calls = []
+        for number, block in enumerate(rest.split(HERMES_START), start=1):
+            body, closed, trailing = block.partition(HERMES_END)
+            if not closed:
+                raise HFToolCallParseError(f"Tool call {number} is not closed with {HERMES_END}.", text=text)
+            if trailing.strip():
+                raise HFToolCallParseError("Text between or after tool calls; calls must end the turn.", text=text)
+            call = _load_json(body, number, text)
+            if not isinstance(call, dict):
+                raise HFToolCallParseError(f"Tool call {number} must be a JSON object.", text=text)
+            calls.append(_openai_call(call.get("name"), call.get("arguments", {}), number, text))
+        return content.rstrip(), calls
+    if style == "mistral" and MISTRAL_START in text:
+        content, _, body = text.partition(MISTRAL_START)
+        payload = _load_json(body.strip(), 1, text)
+        payload = payload if isinstance(payload, list) else [payload]
+        calls = [
+            _openai_call(item.get("name") if isinstance(item, dict) else None,
+                         item.get("arguments", {}) if isinstance(item, dict) else None, number, text)
+            for number, item in enumerate(payload, start=1)
+        ]
+        if not calls:
+            raise HFToolCallParseError("[TOOL_CALLS] holds no calls.", text=text)
+        return content.rstrip(), calls
+    return text, []
+
+
+class ToolCallStream:
+    """Incremental parse of a streamed generation: content deltas as they come, tool calls when complete.
+
+    Text that could be the start of a tool-call marker is held back until it is decided; once a marker
+    starts, the rest of the generation is tool calls, returned by `finish` (OpenAI streams them as deltas
+    with an `index`; each call is sent whole).
+    """
+
+    def __init__(self, chat: HFChatFormat) -> None:
+        self.chat = chat
+        self.marker = {"hermes": HERMES_START, "mistral": MISTRAL_START}.get(chat.tool_style)
+        self.text = ""
+        self.sent = 0
+        self.in_calls = False
+
+    def feed(self, delta: str) -> str:
+        """Add generated text; returns the content that is now certain (possibly empty)."""
+        self.text += delta
+        if self.in_calls:
+            return ""
+        if self.marker is None:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        start = self.text.find(self.marker, self.sent)
+        if start >= 0:
+            self.in_calls = True
+            end = start
+        else:  # hold back a possible marker start, and whitespace that would precede a marker
+            end = len(self.text) - next((n for n in range(min(len(self.marker) - 1, len(self.text)), 0, -1)
+                                         if self.marker.startswith(self.text[-n:])), 0)
+        end = max(len(self.text[:end].rstrip()), self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content not yet returned, tool calls) at the end of the generation."""
+        content, calls = self.chat.parse(self.text)
+        return ("" if calls else content[self.sent:]), calls
+
+
+def load_tokenizer(directory: str | Path):
+    """The model's fast tokenizer (tokenizers.Tokenizer) from tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(directory) / TOKENIZER_FILE))

@@ -1,0 +1,99 @@
+"""Serving an imported model: the built-in ChatModel (engine worker, streaming, weight updates) with the
+model's own chat template, tokenizer and tool-call syntax."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.engine import EngineConfig, GenerationResult
+from training.hf.chat import HERMES_START, MISTRAL_START, HFChatFormat, HFToolCallParseError, load_tokenizer
+from training.hf.directory import GENERATION_CONFIG_FILE
+from training.hf.loading import CONFIG_FILE, load_hf_model
+from training.serving import ChatCompletion, ChatModel
+
+DEFAULT_CONTEXT = 4096
+"""Context an imported model is served with (KV cache per slot), unless its own is shorter."""
+
+_SHARED: dict[Path, tuple[int, HFChatModel]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def stop_token_ids(directory: Path, tokenizer, chat: HFChatFormat) -> tuple[int, ...]:
+    """The eos token of tokenizer_config.json plus generation_config.json's eos_token_id(s)."""
+    ids: list[int] = []
+    eos = chat.special_tokens.get("eos_token")
+    if eos and tokenizer.token_to_id(eos) is not None:
+        ids.append(tokenizer.token_to_id(eos))
+    path = directory / GENERATION_CONFIG_FILE
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else [v for v in value or () if isinstance(v, int)]
+    return tuple(dict.fromkeys(ids))
+
+
+class HFChatModel(ChatModel):
+    """A registered Hugging Face model answering chat requests (thread-safe, continuous batching)."""
+
+    def __init__(self, directory: str | Path, *, name: str, engine_config: EngineConfig | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.directory = Path(directory)
+        self.chat = HFChatFormat.from_directory(self.directory)
+        self.hf_tokenizer = load_tokenizer(self.directory)
+        self.stop_ids = stop_token_ids(self.directory, self.hf_tokenizer, self.chat)
+        model, _, _ = load_hf_model(self.directory, dtype=torch.float32, device=device)
+        config = engine_config or EngineConfig(max_seq_len=min(DEFAULT_CONTEXT, model.config.max_seq_len))
+        super().__init__(model, None, name=name, engine_config=config, copy_constraint=False)
+
+    @classmethod
+    def shared(cls, directory: str | Path, name: str | None = None) -> HFChatModel:  # type: ignore[override]
+        """One HFChatModel per model directory per process, reloaded when its config.json changes."""
+        path = Path(directory).resolve()
+        stamp = (path / CONFIG_FILE).stat().st_mtime_ns
+        with _SHARED_LOCK:
+            cached = _SHARED.get(path)
+            if cached is not None and cached[0] == stamp and not cached[1]._closed:
+                return cached[1]
+            if cached is not None:
+                cached[1].close()
+            chat_model = cls(path, name=name or path.name)
+            _SHARED[path] = (stamp, chat_model)
+            return chat_model
+
+    def _prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[int]:
+        text = self.chat.render(messages, tools=tools, add_generation_prompt=True)
+        return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _stop_token_ids(self) -> Sequence[int]:
+        return self.stop_ids
+
+    def _decode(self, token_ids: list[int]) -> str:
+        stops = set(self.stop_ids)
+        return self.hf_tokenizer.decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+
+    def _visible_content(self, token_ids: list[int]) -> str:
+        text = self._decode(token_ids)
+        for marker in (HERMES_START, MISTRAL_START):
+            text = text.split(marker, 1)[0]
+        return text
+
+    def _completion(self, result: GenerationResult) -> ChatCompletion:
+        text = self._decode(result.token_ids)
+        parse_error = None
+        try:
+            content, tool_calls = self.chat.parse(text)
+        except HFToolCallParseError as error:
+            content, tool_calls, parse_error = text, [], str(error)
+        finish_reason = "length" if result.finish_reason == "length" else ("tool_calls" if tool_calls else "stop")
+        return ChatCompletion(
+            content=content, tool_calls=tool_calls, prompt_tokens=len(result.prompt_token_ids),
+            completion_tokens=len(result.token_ids), token_ids=result.token_ids, logprobs=result.logprobs,
+            routed_experts=result.routed_experts, finish_reason=finish_reason,
+            prompt_token_ids=result.prompt_token_ids, parse_error=parse_error,
+            weights_version=self.weights_version, sampling_masks=result.sampling_masks,
+        )
