@@ -25,6 +25,7 @@ def experiment_config_bounds() -> dict[str, Range]:
         "steps": Range(1, steps),
         "tasks": Range(1, 1_000_000),
         "task_seed_start": Range(0, 1_000_000_000),
+        "task_set": Range(1, 2**63 - 1),  # a task set id (webapp.mining); visibility checked by task_set_check
         "group_size": Range(2, 1024),
         "groups_per_step": Range(1, 1024),
         "max_staleness": Range(0, steps),
