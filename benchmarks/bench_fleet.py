@@ -165,7 +165,7 @@ def _bench_ray(*, snapshot_dir: Path, reps: int, direct_exec: list[float]) -> No
 
     from sandboxes.fleet.client import Fleet, FleetConfig
 
-    ray.init(num_cpus=1, resources={"sandbox_slots": 4}, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, resources={"sandbox_slots": 4}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         fleet = Fleet.start(FleetConfig(backend="docker", heartbeat_sink=None))

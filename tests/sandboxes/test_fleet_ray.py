@@ -15,7 +15,7 @@ LIMITS = SandboxLimits(command_timeout_s=20, lifetime_s=300, memory_mb=512)
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, resources={"sandbox_slots": 2}, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, resources={"sandbox_slots": 2}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()

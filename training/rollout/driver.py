@@ -423,7 +423,10 @@ def _ray_start(config: AsyncRLConfig):
         if config.ray_address:
             ray.init(address=config.ray_address, ignore_reinit_error=True, log_to_driver=False)
         else:
+            # address="local": a new Ray of its own; with no address Ray would join the newest cluster
+            # `ray start` left on this machine (another checkout's `make run`, say) and refuse num_cpus.
             ray.init(
+                address="local",
                 num_cpus=config.ray_num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,

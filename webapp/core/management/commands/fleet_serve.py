@@ -46,7 +46,7 @@ class Command(BaseCommand):
         else:
             if options["slots"] < 1:
                 raise CommandError("--slots must be at least 1")
-            ray.init(resources={"sandbox_slots": options["slots"]}, include_dashboard=False)
+            ray.init(address="local", resources={"sandbox_slots": options["slots"]}, include_dashboard=False)
         try:
             fleet = Fleet.start(FleetConfig(backend=options["backend"] or settings.SANDBOX_BACKEND,
                                             heartbeat_interval_s=options["heartbeat"],
