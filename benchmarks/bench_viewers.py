@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_events as events  # noqa: E402 (sets the environment and sys.path)
+import bench_events as events  # (sets the environment and sys.path)
 
 ROOT = events.ROOT
 
