@@ -451,7 +451,7 @@ def generate_toy_task(seed: int) -> CodingTask:
     placement = [module_names[0], module_names[0], module_names[1]]
 
     functions = []  # (module, name, source, cases)
-    for template, module in zip(templates, placement):
+    for template, module in zip(templates, placement, strict=True):
         functions.append((module, *_toy_function(rng, template)))
 
     module_sources = {
