@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -183,10 +184,8 @@ class _FrameReader(asyncio.Protocol):
         if not self.closed.done():
             self.send_frame(0x8, (1000).to_bytes(2, "big"))
             self.close_sent = True
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.closed), 10)
-            except TimeoutError:
-                pass
         self.transport.close()
 
 

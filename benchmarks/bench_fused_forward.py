@@ -59,7 +59,7 @@ def main() -> None:
     reference, fused = results["reference"], results["fused"]
     same_tokens = [r.token_ids for r in reference] == [f.token_ids for f in fused]
     logprob_gap = max(
-        abs(a - b) for r, f in zip(reference, fused, strict=True) for a, b in zip(r.logprobs, f.logprobs)
+        abs(a - b) for r, f in zip(reference, fused, strict=True) for a, b in zip(r.logprobs, f.logprobs, strict=False)
     )
     print(
         f"size={args.size} workload={args.workload} requests={len(prompts)} batch={args.batch} "

@@ -22,8 +22,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.engine import EngineConfig, GenerationEngine, SamplingParams  # noqa: E402
-from training.hf.loading import load_hf_model  # noqa: E402
+from training.engine import EngineConfig, GenerationEngine, SamplingParams
+from training.hf.loading import load_hf_model
 
 SIZE = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 4, "max_position_embeddings": 1024, "num_experts_per_tok": 2}

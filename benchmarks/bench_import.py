@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.hf.families import FAMILIES, config_from_hf  # noqa: E402
-from training.hf.weights import INDEX_FILE, tensor_map  # noqa: E402
-from training.model.transformer import MoETransformer  # noqa: E402
+from training.hf.families import FAMILIES, config_from_hf
+from training.hf.weights import INDEX_FILE, tensor_map
+from training.model.transformer import MoETransformer
 
 SHARD_BYTES = 200 * 1024**2
 CHILD = r"""

@@ -69,7 +69,7 @@ def update(model, batches, config: RLConfig, *, share: bool) -> tuple[float, tor
     policy_updates(model=policy, optimizer=optimizer, batches=batches, config=config, share_prefixes=share)
     seconds = time.perf_counter() - started
     with torch.no_grad():
-        delta = torch.cat([(after - before).flatten() for after, before in zip(policy.parameters(), model.parameters())])
+        delta = torch.cat([(after - before).flatten() for after, before in zip(policy.parameters(), model.parameters(), strict=True)])
     return seconds, delta
 
 

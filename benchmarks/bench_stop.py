@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.platform.supervisor_harness import kill_leftovers, make_checkout_copy, start_run, stop_and_time  # noqa: E402
+from tests.platform.supervisor_harness import kill_leftovers, make_checkout_copy, start_run, stop_and_time
 
 CASES = ("sigint", "sigterm-group", "three-signals", "kill-9")
 

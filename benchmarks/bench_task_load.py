@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.task_load import (  # noqa: E402
+from benchmarks.task_load import (
     Stack,
     load_run,
     postgres_database_create,

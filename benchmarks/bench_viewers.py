@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_events as events  # noqa: E402 (sets the environment and sys.path)
+import contextlib
+
+import bench_events as events  # (sets the environment and sys.path)
 
 ROOT = events.ROOT
 
@@ -172,12 +174,10 @@ def rollouts_on(nodes: int, *, slots: int, rollouts: int, repo: Path) -> dict:
                 cluster.add_node(**node, resources={"sandbox_slots": count})
             cluster.wait_for_nodes()
             break
-        except Exception as error:  # Ray raises a bare Exception for it
+        except Exception as error:  # noqa: BLE001 - Ray raises a bare Exception for it
             print(f"   cluster start failed (attempt {attempt + 1} of 3): {error}", flush=True)
-            try:
+            with contextlib.suppress(Exception):  # best-effort cleanup; `cluster` may not even exist yet
                 cluster.shutdown()
-            except Exception:
-                pass
     else:
         raise SystemExit("Ray could not start the cluster")
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)

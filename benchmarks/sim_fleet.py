@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sandboxes.fleet.admission import AdmissionConfig, AdmissionController  # noqa: E402
-from sandboxes.fleet.placement import HostLoad, host_pick, placement_candidates  # noqa: E402
+from sandboxes.fleet.admission import AdmissionConfig, AdmissionController
+from sandboxes.fleet.placement import HostLoad, host_pick, placement_candidates
 
 SHARE_WINDOW_S = 60.0
 """Round robin is judged per minute of contention: over a whole run every tenant gets its turn in the end."""

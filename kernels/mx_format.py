@@ -48,7 +48,7 @@ E8M0_NAN = 0xFF
 E8M0_BIAS = 127
 
 
-class ScaleMode(str, enum.Enum):
+class ScaleMode(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(member) and format()
     """How the shared power-of-two scale is chosen from a block's absolute maximum."""
 
     RCEIL = "rceil"

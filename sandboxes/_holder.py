@@ -17,6 +17,7 @@ end only the backend process holds, inherited by every sandbox's pid 1, which re
 soon as the backend is gone (however it died). The factory itself exits on EOF on stdin.
 """
 
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -341,10 +342,8 @@ def serve_one(cfg):
             os.close(status_w)
             start_sandbox(cfg)
         except Exception as exc:  # noqa: BLE001 - any setup failure must reach the backend as a message
-            try:
+            with contextlib.suppress(OSError):
                 send("E" + str(exc).replace("\n", " "))
-            except OSError:
-                pass
         os._exit(1)
     os.close(status_w)
     os.close(control_r)

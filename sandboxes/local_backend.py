@@ -332,10 +332,8 @@ class LocalBackend(CoreBackend):
                 if cgroup is not None:
                     cgroup.add(pid)
         except BaseException:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             raise
         return _Holder(pid, start_time, workspace_fd, network, cgroup)
 
@@ -481,10 +479,8 @@ class LocalBackend(CoreBackend):
 
     @staticmethod
     def _kill_group(pgid: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def close(self) -> None:
         """Stop the warm pool and destroy its idle sandboxes (claimed sandboxes are left alone)."""
@@ -516,10 +512,8 @@ class LocalBackend(CoreBackend):
         self._registry_path(sandbox_id).unlink(missing_ok=True)
         sandbox_dir = self.root / "sandboxes" / sandbox_id
         for sub in ("root", "disk"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 (sandbox_dir / sub).rmdir()
-            except FileNotFoundError:
-                pass
         try:
             sandbox_dir.rmdir()
         except OSError:
@@ -553,10 +547,8 @@ class LocalBackend(CoreBackend):
             if owner_alive and holder_alive and record["deadline"] > now:
                 continue
             if holder_alive:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(record["holder_pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             SandboxCgroup({str(i): Path(p) for i, p in enumerate(record.get("cgroups", []))}).remove()
             self._forget(record["id"])
             reaped += 1

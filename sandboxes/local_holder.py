@@ -3,6 +3,7 @@ workspace fd the host reads and writes through, its network helper and its cgrou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,20 +39,16 @@ class HolderProcess:
             os.close(self.workspace_fd)
             self.workspace_fd = -1
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.network is not None:
             self.network.kill()
             self.network.wait()
             self.network = None
         deadline = time.monotonic() + 5.0
         while self.alive() and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             time.sleep(0.005)
         if self.cgroup is not None:
             self.cgroup.remove()

@@ -12,6 +12,7 @@ an unrelated process of the same name is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -150,10 +151,8 @@ def run_processes(owner: str | None, *, pgids: Iterable[int] = (), spare_pgids: 
 
 def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def reap_zombie_children(skip: Iterable[int] = ()) -> None:
@@ -165,10 +164,8 @@ def reap_zombie_children(skip: Iterable[int] = ()) -> None:
             continue
         info = proc_info(pid)
         if info is not None and info.ppid == me and info.state == "Z":
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
 
 
 def stop_run_processes(owner: str | None, *, pgids: Iterable[int] = (), spare_pgids: Iterable[int] = (),

@@ -156,10 +156,8 @@ def _open_dir_creating(root_fd: int, relative: str) -> int:
             try:
                 child = open_beneath(current, part, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=current)
-                except FileExistsError:
-                    pass
                 child = open_beneath(current, part, os.O_RDONLY | os.O_DIRECTORY)
             os.close(current)
             current = child

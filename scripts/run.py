@@ -21,6 +21,7 @@ this state directory is alive.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -78,10 +79,8 @@ def _on_signal(signum, frame):
 
 
 def log(message: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the terminal went away: keep stopping regardless
         print(f"[flowstate] {message}", flush=True)
-    except OSError:  # the terminal went away: keep stopping regardless
-        pass
 
 
 def free_port() -> int:
@@ -118,10 +117,8 @@ class Child:
 
     def signal_group(self, sig: int) -> None:
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     def gone(self) -> bool:
         """The leader exited (and was reaped) and nothing is left in its process group."""

@@ -349,43 +349,53 @@ class ChatModel:
             except queue.Empty:
                 message = None
             while message is not None:
-                if message is _SHUTDOWN:
-                    closed = ServingError(f"ChatModel {self.name!r} was closed.")
-                    self._fail_all(by_request, closed)
-                    self._fail_queued(closed)
+                if not self._handle_message(message, by_request):
                     return
-                if isinstance(message, _WeightUpdate):
-                    self._apply_weights(message)
-                elif isinstance(message, tuple) and message[0] is _CANCEL:
-                    submission = message[1]
-                    if submission.request_id is not None:
-                        self.engine.cancel(submission.request_id)
-                        by_request.pop(submission.request_id, None)
-                else:
-                    try:
-                        message.request_id = self.engine.add_request(message.prompt_ids, message.params)
-                        by_request[message.request_id] = message
-                    except Exception as error:  # noqa: BLE001 - the caller gets its own request's error
-                        message.events.put(error)
                 try:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     message = None
             if not self.engine.has_unfinished():
                 continue
+            self._step(by_request)
+
+    def _handle_message(self, message, by_request: dict[int, _Submission]) -> bool:
+        """Act on one inbox message; False when it is the shutdown (everything pending has been failed)."""
+        if message is _SHUTDOWN:
+            closed = ServingError(f"ChatModel {self.name!r} was closed.")
+            self._fail_all(by_request, closed)
+            self._fail_queued(closed)
+            return False
+        if isinstance(message, _WeightUpdate):
+            self._apply_weights(message)
+        elif isinstance(message, tuple) and message[0] is _CANCEL:
+            submission = message[1]
+            if submission.request_id is not None:
+                self.engine.cancel(submission.request_id)
+                by_request.pop(submission.request_id, None)
+        else:
             try:
-                events = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - any failed step must fail its callers, not hang them
-                for request_id in list(by_request):
-                    self.engine.cancel(request_id)
-                self._fail_all(by_request, ServingError(f"Generation failed: {error!r}"))
-                continue
-            for event in events:
-                submission = by_request.get(event.request_id)
-                if submission is not None:
-                    submission.events.put(event)
-                if event.result is not None:
-                    by_request.pop(event.request_id, None)
+                message.request_id = self.engine.add_request(message.prompt_ids, message.params)
+                by_request[message.request_id] = message
+            except Exception as error:  # noqa: BLE001 - the caller gets its own request's error
+                message.events.put(error)
+        return True
+
+    def _step(self, by_request: dict[int, _Submission]) -> None:
+        """One engine step: its events go to their callers, finished requests leave ``by_request``."""
+        try:
+            events = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - any failed step must fail its callers, not hang them
+            for request_id in list(by_request):
+                self.engine.cancel(request_id)
+            self._fail_all(by_request, ServingError(f"Generation failed: {error!r}"))
+            return
+        for event in events:
+            submission = by_request.get(event.request_id)
+            if submission is not None:
+                submission.events.put(event)
+            if event.result is not None:
+                by_request.pop(event.request_id, None)
 
     def _apply_weights(self, update: _WeightUpdate) -> None:
         try:

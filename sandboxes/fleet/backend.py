@@ -14,6 +14,7 @@ there; a host lost while the agent runs ends the task as failed with the reason
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -84,10 +85,8 @@ class FleetBackend(SandboxBackend):
             host = fleet.hosts.get(name)
             if host is None:
                 continue  # the host is gone, and its snapshots with it
-            try:
+            with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(host.actor.snapshot_delete.remote(built))
-            except ray.exceptions.RayError:
-                pass
             snapshot.per_host.pop(name, None)
 
     def reap_orphans(self) -> int:

@@ -9,6 +9,7 @@ places one ``SandboxHostActor`` on it that claims all of the node's slots. ``Fle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -315,10 +316,8 @@ class Fleet:
 
         destroyed = 0
         for host in self.hosts.values():
-            try:
+            with contextlib.suppress(ray.exceptions.RayError):  # its node is gone, and its sandboxes with it
                 destroyed += ray.get(host.actor.shutdown.remote())
-            except ray.exceptions.RayError:
-                pass  # its node is gone, and its sandboxes with it
             ray.kill(host.actor)
         return destroyed
 

@@ -68,42 +68,56 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
             else:
                 continue
         if hunk is not None and (hunk.old_remaining > 0 or hunk.new_remaining > 0 or line.startswith("\\")):
-            marker, content = line[:1], line[1:]
-            if marker in (" ", ""):
-                hunk.old_lines.append(content)
-                hunk.old_remaining -= 1
-                hunk.new_remaining -= 1
-            elif marker == "-":
-                hunk.old_lines.append(content)
-                hunk.old_remaining -= 1
-            elif marker == "+":
-                hunk.new_remaining -= 1
+            _hunk_line(hunk, line)
             continue
-        if line.startswith("new file mode"):
-            current.old_path = None
-        elif line.startswith("deleted file mode"):
-            current.new_path = None
-        elif line.startswith("rename from "):
-            current.old_path = line[len("rename from "):]
-        elif line.startswith("rename to "):
-            current.new_path = line[len("rename to "):]
-        elif line.startswith(("Binary files ", "GIT binary patch")):
-            current.binary = True
-        elif line.startswith("--- "):
-            if current.hunks:
-                current = FilePatch(old_path=None, new_path=None)
-                patches.append(current)
-            current.old_path = _strip_prefix(line[4:])
-        elif line.startswith("+++ "):
-            current.new_path = _strip_prefix(line[4:])
-        elif (header := _HUNK_HEADER.match(line)) is not None:
-            old_start, old_length, new_start, new_length = header.groups()
-            hunk = Hunk(
-                int(old_start), 1 if old_length is None else int(old_length),
-                int(new_start), 1 if new_length is None else int(new_length),
-            )
-            current.hunks.append(hunk)
+        current, new_hunk = _header_line(current, line, patches)
+        if new_hunk is not None:
+            hunk = new_hunk
     return patches
+
+
+def _hunk_line(hunk: Hunk, line: str) -> None:
+    """One line of a hunk's body: context and removed lines are the old text; added lines only count."""
+    marker, content = line[:1], line[1:]
+    if marker in (" ", ""):
+        hunk.old_lines.append(content)
+        hunk.old_remaining -= 1
+        hunk.new_remaining -= 1
+    elif marker == "-":
+        hunk.old_lines.append(content)
+        hunk.old_remaining -= 1
+    elif marker == "+":
+        hunk.new_remaining -= 1
+
+
+def _header_line(current: FilePatch, line: str, patches: list[FilePatch]) -> tuple[FilePatch, Hunk | None]:
+    """A line outside a hunk's body: the file patch it leaves current, and the hunk it starts (or None)."""
+    if line.startswith("new file mode"):
+        current.old_path = None
+    elif line.startswith("deleted file mode"):
+        current.new_path = None
+    elif line.startswith("rename from "):
+        current.old_path = line[len("rename from "):]
+    elif line.startswith("rename to "):
+        current.new_path = line[len("rename to "):]
+    elif line.startswith(("Binary files ", "GIT binary patch")):
+        current.binary = True
+    elif line.startswith("--- "):
+        if current.hunks:
+            current = FilePatch(old_path=None, new_path=None)
+            patches.append(current)
+        current.old_path = _strip_prefix(line[4:])
+    elif line.startswith("+++ "):
+        current.new_path = _strip_prefix(line[4:])
+    elif (header := _HUNK_HEADER.match(line)) is not None:
+        old_start, old_length, new_start, new_length = header.groups()
+        hunk = Hunk(
+            int(old_start), 1 if old_length is None else int(old_length),
+            int(new_start), 1 if new_length is None else int(new_length),
+        )
+        current.hunks.append(hunk)
+        return current, hunk
+    return current, None
 
 
 def changed_paths(patches: list[FilePatch]) -> set[str]:

@@ -145,7 +145,7 @@ def test_cancel_queued_task_at_once_and_finished_task_refused(owner, demo_reposi
     task = _create(owner, demo_repository)
     services.task_cancel(task=task, user=owner)
     task.refresh_from_db()
-    assert task.status == "cancelled" and "cancelled by owner before it started" == task.status_reason
+    assert task.status == "cancelled" and task.status_reason == "cancelled by owner before it started"
     assert services.task_run(task_id=task.pk).startswith("skipped")
     with pytest.raises(ValidationError, match="already cancelled"):
         services.task_cancel(task=task, user=owner)

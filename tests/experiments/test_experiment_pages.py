@@ -358,7 +358,7 @@ def test_bench_learning_compare_and_baseline(tmp_path):
     tasks = suite_tasks("toy-heldout-4")
     for path, passes in ((before, [0, 2, 3, 1]), (after, [2, 2, 2, 4])):
         evaluated = summary(passes) | {"config": {"suite": "toy-heldout-4"}}
-        for row, task in zip(evaluated["per_task"], tasks):
+        for row, task in zip(evaluated["per_task"], tasks, strict=True):
             row["task_id"] = task.task_id
         path.write_text(json.dumps(evaluated))
     out = subprocess.run(

@@ -95,11 +95,11 @@ def test_pages_teammates_read_outsiders_see_nothing(client, shared, private, own
     client.force_login(teammate)
     detail = client.get(reverse("experiments:experiment-detail", args=[experiment.pk])).content.decode()
     assert "shared with team ml-infra" in detail and "by owner" in detail
-    assert 'action="/experiments/%d/pause/"' % experiment.pk not in detail  # no controls for a teammate
+    assert f'action="/experiments/{experiment.pk}/pause/"' not in detail  # no controls for a teammate
     assert "Evaluate</button>" not in detail
     client.force_login(owner)
     detail = client.get(reverse("experiments:experiment-detail", args=[experiment.pk])).content.decode()
-    assert 'action="/experiments/%d/pause/"' % experiment.pk in detail and "Evaluate</button>" in detail
+    assert f'action="/experiments/{experiment.pk}/pause/"' in detail and "Evaluate</button>" in detail
 
 
 @pytest.mark.django_db

@@ -9,6 +9,7 @@ install's) is what every child imports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -189,7 +190,5 @@ def spawn_marked_orphan(run: Run) -> int:
 def kill_leftovers(run: Run) -> None:
     """Last resort for a failed test: SIGKILL what the run left (only its own processes)."""
     for line in run.leftovers():
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(int(line.split()[0]), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

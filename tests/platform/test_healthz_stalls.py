@@ -97,11 +97,10 @@ def test_a_locked_database_is_named_within_two_seconds(client, settings, record_
         from django.db import transaction
 
         try:
-            with transaction.atomic():
-                with own.cursor() as cursor:
-                    cursor.execute("LOCK TABLE django_migrations IN ACCESS EXCLUSIVE MODE")
-                    locked.set()
-                    release.wait(30)
+            with transaction.atomic(), own.cursor() as cursor:
+                cursor.execute("LOCK TABLE django_migrations IN ACCESS EXCLUSIVE MODE")
+                locked.set()
+                release.wait(30)
         finally:
             own.close()
 

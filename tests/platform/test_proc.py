@@ -3,6 +3,7 @@ and a process told to die with its parent does, even when the parent is SIGKILLe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -104,7 +105,5 @@ def test_die_with_parent_survives_exec_and_fires_when_the_parent_is_sigkilled():
         parent.wait()
         assert _wait_gone(child_pid), "the child outlived its SIGKILLed parent"
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

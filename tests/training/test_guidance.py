@@ -58,7 +58,7 @@ def test_expert_segments_are_tokenized_as_the_served_model_meets_the_conversatio
     # Tool-calling turns end where generation stops (the end of the call block), the answer at the turn's end.
     assert [segment.token_ids[-1] for segment in segments] == [tokenizer.tool_calls_end_id] * 3 + [tokenizer.turn_end_id]
     # Each turn's prompt extends the previous prompt and completion, so the update merges them into one row.
-    for earlier, later in zip(segments, segments[1:]):
+    for earlier, later in zip(segments, segments[1:], strict=False):
         assert later.prompt_token_ids[: len(earlier.prompt_token_ids) + len(earlier.token_ids)] == (
             earlier.prompt_token_ids + earlier.token_ids
         )

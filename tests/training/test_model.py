@@ -104,7 +104,7 @@ def test_dropless_dispatch_equals_per_token_computation():
             w
             * (torch.nn.functional.silu(x[token] @ layer.w_gate[e]) * (x[token] @ layer.w_up[e]))
             @ layer.w_down[e]
-            for w, e in zip(weights, experts.tolist())
+            for w, e in zip(weights, experts.tolist(), strict=True)
         )
         torch.testing.assert_close(out[token], expected, rtol=1e-4, atol=1e-5)
 

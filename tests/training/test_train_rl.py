@@ -254,7 +254,7 @@ def test_gain_lr_scale_gives_one_dimensional_parameters_their_own_step_size():
     (model(torch.randn(16, 8)) * torch.randn(16, 8)).sum().backward()
     optimizer.step()
     matrix_step, gain_step, bias_step = (
-        (parameter.detach() - old).abs().max().item() for parameter, old in zip(model.parameters(), before)
+        (parameter.detach() - old).abs().max().item() for parameter, old in zip(model.parameters(), before, strict=True)
     )
     assert matrix_step == pytest.approx(1e-3, rel=0.01)
     assert gain_step == pytest.approx(1e-2, rel=0.01) and bias_step == pytest.approx(1e-2, rel=0.01)
@@ -439,7 +439,7 @@ def test_a_groups_shared_prefix_runs_once_in_the_learner_with_the_same_update(ch
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
         stats = policy_updates(model=policy, optimizer=optimizer, batches=batches, config=rl_config,
                                reference_model=reference, share_prefixes=share)
-        delta = torch.cat([(after - before).flatten() for after, before in zip(policy.parameters(), model.parameters())])
+        delta = torch.cat([(after - before).flatten() for after, before in zip(policy.parameters(), model.parameters(), strict=True)])
         return delta, stats
 
     shared_delta, shared_stats = update(True)

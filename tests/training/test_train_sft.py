@@ -82,8 +82,8 @@ def _calls(messages: list[dict]) -> list[tuple[str, dict]]:
 
 def _exec_report_call(source: str, task) -> str:
     namespace: dict = {}
-    exec(compile(source, "<test>", "exec"), namespace)  # noqa: S102
-    return repr(eval(task.metadata["report_call"], namespace))  # noqa: S307
+    exec(compile(source, "<test>", "exec"), namespace)
+    return repr(eval(task.metadata["report_call"], namespace))
 
 
 def test_wrong_fixes_change_the_faulty_line_and_keep_the_report_wrong():

@@ -9,6 +9,7 @@ family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks or Mistral `
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import uuid
@@ -75,10 +76,8 @@ def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
         for call in message.get("tool_calls") or ():
             function = call.get("function", {})
             if isinstance(function.get("arguments"), str):
-                try:
+                with contextlib.suppress(ValueError):  # left as text: the template shows what the caller sent
                     function["arguments"] = json.loads(function["arguments"])
-                except ValueError:
-                    pass  # left as text: the template shows what the caller sent
     return converted
 
 

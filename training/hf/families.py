@@ -101,12 +101,13 @@ def _refuse_unsupported(family: Family, hf_config: dict[str, Any]) -> None:
             f"sliding_window={window} < max_position_embeddings={longest}: sliding-window attention "
             "is not supported."
         )
-    if family.model_type == "qwen3_moe":
-        if hf_config.get("decoder_sparse_step", 1) != 1 or hf_config.get("mlp_only_layers"):
-            raise UnsupportedModelError(
-                "Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported; "
-                "every layer must be an MoE layer."
-            )
+    if family.model_type == "qwen3_moe" and (
+        hf_config.get("decoder_sparse_step", 1) != 1 or hf_config.get("mlp_only_layers")
+    ):
+        raise UnsupportedModelError(
+            "Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported; "
+            "every layer must be an MoE layer."
+        )
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:

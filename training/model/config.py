@@ -114,6 +114,17 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ModelConfigError when fields are out of range or contradict each other."""
+        self._validate_fields()
+        self._validate_rope_scaling()
+        self._validate_heads()
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ModelConfigError("rope_theta, norm_eps and init_std must all be positive.")
+        hidden_widths = self._validate_feed_forward()
+        if self.precision == "mxfp8":
+            self._validate_mx_blocks(hidden_widths)
+
+    def _validate_fields(self) -> None:
+        """Each field on its own: sizes positive, kinds among the known ones."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}.")
@@ -127,7 +138,9 @@ class ModelConfig:
             raise ModelConfigError(f"attention_head_dim must be positive, got {self.attention_head_dim}.")
         if self.qk_norm not in QK_NORMS:
             raise ModelConfigError(f"qk_norm={self.qk_norm!r} is unknown; use one of {QK_NORMS}.")
-        self._validate_rope_scaling()
+
+    def _validate_heads(self) -> None:
+        """Head width and grouped-query layout."""
         if self.attention_head_dim is None and self.d_model % self.n_heads:
             raise ModelConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -143,8 +156,9 @@ class ModelConfig:
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} for grouped-query "
                 "attention; set n_kv_heads to a divisor of n_heads (n_kv_heads=n_heads disables GQA)."
             )
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-            raise ModelConfigError("rope_theta, norm_eps and init_std must all be positive.")
+
+    def _validate_feed_forward(self) -> dict[str, int]:
+        """The feed-forward kind's sizes; returns its hidden widths by field name."""
         if self.feed_forward == "moe":
             if self.n_experts < 1 or self.d_ff_expert < 1:
                 raise ModelConfigError("MoE models need n_experts >= 1 and d_ff_expert >= 1.")
@@ -158,14 +172,17 @@ class ModelConfig:
             if self.d_ff_dense < 1:
                 raise ModelConfigError("Dense models need d_ff_dense >= 1.")
             hidden_widths = {"d_ff_dense": self.d_ff_dense}
-        if self.precision == "mxfp8":
-            for name, value in {"d_model": self.d_model, **hidden_widths}.items():
-                if value % MX_BLOCK_SIZE:
-                    raise ModelConfigError(
-                        f"precision='mxfp8' scales blocks of {MX_BLOCK_SIZE} values, but {name}={value} "
-                        f"is not a multiple of {MX_BLOCK_SIZE}; round it up to "
-                        f"{-(-value // MX_BLOCK_SIZE) * MX_BLOCK_SIZE} or use precision='bf16'."
-                    )
+        return hidden_widths
+
+    def _validate_mx_blocks(self, hidden_widths: dict[str, int]) -> None:
+        """mxfp8 scales blocks of MX_BLOCK_SIZE values: every width it quantizes must be a multiple."""
+        for name, value in {"d_model": self.d_model, **hidden_widths}.items():
+            if value % MX_BLOCK_SIZE:
+                raise ModelConfigError(
+                    f"precision='mxfp8' scales blocks of {MX_BLOCK_SIZE} values, but {name}={value} "
+                    f"is not a multiple of {MX_BLOCK_SIZE}; round it up to "
+                    f"{-(-value // MX_BLOCK_SIZE) * MX_BLOCK_SIZE} or use precision='bf16'."
+                )
 
     def _validate_rope_scaling(self) -> None:
         if self.rope_scaling is None:

@@ -158,6 +158,22 @@ class AsyncRLConfig:
     """Newest checkpoints kept on disk."""
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_lr_schedule()
+        self._check_delegated()
+        if self.inference_actors > self.rollout_workers:
+            raise AsyncRLConfigError(
+                f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
+                "extra inference actors would never get a request, lower inference_actors"
+            )
+        if not Path(self.init_checkpoint).is_dir():
+            raise AsyncRLConfigError(
+                f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
+                "directory written by training.checkpoint.save_checkpoint (e.g. the SFT result)"
+            )
+
+    def _check_sizes(self) -> None:
+        """Counts, the group size, staleness and temperature."""
         for name in (
             "steps",
             "tasks",
@@ -178,6 +194,9 @@ class AsyncRLConfig:
             raise AsyncRLConfigError("max_staleness must be >= 0 (0 runs synchronous batches)")
         if self.temperature <= 0:
             raise AsyncRLConfigError("temperature must be > 0: greedy rollouts of one task are identical")
+
+    def _check_lr_schedule(self) -> None:
+        """The learning rate, its warmup and decay, and the time budget."""
         if self.lr <= 0:
             raise AsyncRLConfigError("lr must be > 0")
         if self.warmup_steps < 0:
@@ -196,6 +215,9 @@ class AsyncRLConfig:
                 f"time_budget_minutes must be > 0 (leave it empty to run until `steps` updates), "
                 f"got {self.time_budget_minutes}"
             )
+
+    def _check_delegated(self) -> None:
+        """The checks the objective, the reward and the scheduler own, reworded as this config's errors."""
         problem = objective_options_problem(
             negative_advantage_weight=self.negative_advantage_weight,
             entropy_coef=self.entropy_coef,
@@ -215,16 +237,6 @@ class AsyncRLConfig:
         except SchedulerConfigError as error:
             # Without the class prefix the message starts with the field, which the launch form keys on.
             raise AsyncRLConfigError(str(error).removeprefix("SchedulerConfig.")) from error
-        if self.inference_actors > self.rollout_workers:
-            raise AsyncRLConfigError(
-                f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
-                "extra inference actors would never get a request, lower inference_actors"
-            )
-        if not Path(self.init_checkpoint).is_dir():
-            raise AsyncRLConfigError(
-                f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
-                "directory written by training.checkpoint.save_checkpoint (e.g. the SFT result)"
-            )
 
     @property
     def reward_config(self) -> RewardConfig:

@@ -170,6 +170,12 @@ def _single_line_owner(text: _SourceText, node: ast.stmt) -> bool:
 
 def _candidates(text: _SourceText, qualname: str, function: ast.AST) -> Iterator[tuple[str, int, str, str]]:
     """(kind, lineno, description, mutated_source) for every site in one function."""
+    yield from _expression_candidates(text, function)
+    yield from _statement_candidates(text, function)
+
+
+def _expression_candidates(text: _SourceText, function: ast.AST) -> Iterator[tuple[str, int, str, str]]:
+    """Mutations of one expression each: swapped operators, off-by-one constants, negated tests, swapped args."""
     for node in _body_nodes(function):
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE_SWAPS:
             new = copy.deepcopy(node)
@@ -213,6 +219,9 @@ def _candidates(text: _SourceText, qualname: str, function: ast.AST) -> Iterator
             desc = f"the first two arguments of `{ast.unparse(node.func)}` were swapped"
             yield "swap_arguments", node.lineno, desc, text.splice(*text.span(node), ast.unparse(new))
 
+
+def _statement_candidates(text: _SourceText, function: ast.AST) -> Iterator[tuple[str, int, str, str]]:
+    """Mutations that remove a whole statement: a guard clause, or a one-line statement."""
     for statements in _statement_lists(function):
         for index, statement in enumerate(statements):
             if (

@@ -325,7 +325,7 @@ def _run_function(source: str, name: str, args: tuple) -> tuple[str, object]:
     """("ok", value) or ("raise", "ExcType: message") for one call of freshly executed code."""
     namespace: dict = {}
     try:
-        exec(compile(source, "<toy>", "exec"), namespace)  # noqa: S102  (our own generated code)
+        exec(compile(source, "<toy>", "exec"), namespace)  # our own generated code
         return "ok", namespace[name](*args)
     except Exception as exc:  # noqa: BLE001  (the outcome of mutated code is data here, any exception included)
         return "raise", f"{type(exc).__name__}: {exc}"
@@ -451,7 +451,7 @@ def generate_toy_task(seed: int) -> CodingTask:
     placement = [module_names[0], module_names[0], module_names[1]]
 
     functions = []  # (module, name, source, cases)
-    for template, module in zip(templates, placement):
+    for template, module in zip(templates, placement, strict=True):
         functions.append((module, *_toy_function(rng, template)))
 
     module_sources = {

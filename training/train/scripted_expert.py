@@ -90,8 +90,8 @@ def _report_value(source: str, task: CodingTask) -> str:
     """repr of the report's call on `source` (the buggy function's module), or the exception it raised."""
     namespace: dict = {}
     try:
-        exec(compile(source, "<expert>", "exec"), namespace)  # noqa: S102  (the task's own generated code)
-        return repr(eval(task.metadata["report_call"], namespace))  # noqa: S307  (a call the task generator wrote)
+        exec(compile(source, "<expert>", "exec"), namespace)  # the task's own generated code
+        return repr(eval(task.metadata["report_call"], namespace))  # a call the task generator wrote
     except Exception as exc:  # noqa: BLE001  (a raising wrong fix is a wrong fix; the message is data)
         return f"raises {type(exc).__name__}"
 

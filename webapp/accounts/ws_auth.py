@@ -112,5 +112,5 @@ class NotFoundConsumer:
         return app
 
 
-def SessionOrTokenAuthMiddleware(inner):  # noqa: N802 - mirrors channels' AuthMiddlewareStack
+def SessionOrTokenAuthMiddleware(inner):  # CamelCase mirrors channels' AuthMiddlewareStack
     return CloseCodeMiddleware(AuthMiddlewareStack(TokenAuthMiddleware(SessionOriginValidator(inner))))

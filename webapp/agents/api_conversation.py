@@ -94,7 +94,7 @@ def bundle_response(*, user, pk: int) -> FileResponse:
     branch = TaskBranch.objects.filter(task=task).first()
     if branch is None or not Path(branch.bundle_path).is_file():
         raise Http404("create the task's branch first")
-    return FileResponse(open(branch.bundle_path, "rb"), as_attachment=True,  # noqa: SIM115 (FileResponse closes it)
+    return FileResponse(open(branch.bundle_path, "rb"), as_attachment=True,  # FileResponse closes it
                         filename=f"flowstate-task-{task.pk}.bundle", content_type="application/octet-stream")
 
 

@@ -139,17 +139,29 @@ def chat_completions(request):
         return _error(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
 
     if not parsed["stream"]:
-        completion = first
-        for item in stream:
-            completion = item
-        message: dict[str, Any] = {"role": "assistant", "content": completion.content}
-        if completion.tool_calls:
-            message["tool_calls"] = completion.tool_calls
-        return JsonResponse({
-            "id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
-            "usage": _usage(completion), "flowstate": completion.flowstate_extension(),
-        })
+        return _completion_response(first, stream, completion_id=completion_id, created=created, model_name=model_name)
+    return _streaming_response(first, stream, include_usage=parsed["include_usage"], completion_id=completion_id,
+                               created=created, model_name=model_name)
+
+
+def _completion_response(first, stream, *, completion_id: str, created: int, model_name: str) -> JsonResponse:
+    """A non-streaming answer: the stream drained, its last item the completion."""
+    completion = first
+    for item in stream:
+        completion = item
+    message: dict[str, Any] = {"role": "assistant", "content": completion.content}
+    if completion.tool_calls:
+        message["tool_calls"] = completion.tool_calls
+    return JsonResponse({
+        "id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
+        "usage": _usage(completion), "flowstate": completion.flowstate_extension(),
+    })
+
+
+def _streaming_response(first, stream, *, include_usage: bool, completion_id: str, created: int,
+                        model_name: str) -> StreamingHttpResponse:
+    """A server-sent-events answer: text chunks as generated, then tool calls, the finish reason and usage."""
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -170,7 +182,7 @@ def chat_completions(request):
                         calls = [dict(call, index=index) for index, call in enumerate(completion.tool_calls)]
                         yield chunk({"tool_calls": calls})
                     yield chunk({}, completion.finish_reason)
-                    if parsed["include_usage"]:
+                    if include_usage:
                         yield ("data: " + json.dumps({
                             "id": completion_id, "object": "chat.completion.chunk", "created": created,
                             "model": model_name, "choices": [], "usage": _usage(completion),

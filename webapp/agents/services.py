@@ -33,7 +33,7 @@ from webapp.agents.archives import (  # noqa: F401  (importable from here, as be
     MAX_ARCHIVE_UNPACKED_BYTES,
     archive_store,
 )
-from webapp.agents.events import (  # noqa: F401
+from webapp.agents.events import (
     ClaimLost,
     event_insert,
     task_event_append,

@@ -52,7 +52,7 @@ class InputSerializer(serializers.Serializer):
         if hasattr(data, "keys"):
             data = self._resolve_aliases(data)
             known = set(self.fields) | set(self.aliases)
-            unknown = sorted(str(key) for key in data.keys() if key not in known)
+            unknown = sorted(str(key) for key in data if key not in known)
             if unknown:
                 raise DRFValidationError({
                     name[:100]: [self.unknown_field_message(name)] for name in unknown
@@ -67,7 +67,7 @@ class InputSerializer(serializers.Serializer):
         if clashes:
             raise DRFValidationError({old: [f"give either {old} (old name) or {present[old]}, not both"]
                                       for old in clashes})
-        resolved = {key: data[key] for key in data.keys() if key not in present}
+        resolved = {key: data[key] for key in data if key not in present}
         resolved.update({new: data[old] for old, new in present.items()})
         return resolved
 

@@ -27,7 +27,7 @@ def _timed(probe: Callable[[], dict]) -> dict:
     started = time.perf_counter()
     try:
         result = probe()
-    except Exception as exc:  # a probe reports any failure instead of raising
+    except Exception as exc:  # noqa: BLE001 - a health probe reports any failure instead of raising
         result = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"}
     result["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
     return result

@@ -44,7 +44,7 @@ class _Server:
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's naming
+            def do_GET(self):  # http.server's naming
                 server.requests.append(self.path)
                 if redirect_to:
                     self.send_response(302)

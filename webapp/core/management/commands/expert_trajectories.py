@@ -53,7 +53,7 @@ class Command(BaseCommand):
                 try:
                     done.add(json.loads(line)["task_id"])
                 except (json.JSONDecodeError, KeyError, TypeError) as error:
-                    raise CommandError(f"{output}:{number} is not a trajectory line ({error}); move the file away.")
+                    raise CommandError(f"{output}:{number} is not a trajectory line ({error}); move the file away.") from error
         if options["retry_share"] and not options["verify"]:
             raise CommandError("--retry-share needs --verify: without the check nothing shows the first fix is wrong.")
         if not 0.0 <= options["retry_share"] <= 1.0:
