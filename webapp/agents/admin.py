@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from webapp.agents.models import AgentTask, Repository, TaskEvent
+from webapp.agents.models import AgentTask, Repository, RepositoryCredential, TaskBranch, TaskEvent, TaskFollowUp
 
 
 @admin.register(Repository)
@@ -26,3 +26,24 @@ class TaskEventAdmin(admin.ModelAdmin):
     list_filter = ("kind",)
     search_fields = ("task__public_id", "tool_name")
     raw_id_fields = ("task",)
+
+
+@admin.register(TaskFollowUp)
+class TaskFollowUpAdmin(admin.ModelAdmin):
+    list_display = ("task", "author", "status", "workspace", "created_at", "delivered_at")
+    list_filter = ("status", "workspace")
+    raw_id_fields = ("task",)
+
+
+@admin.register(TaskBranch)
+class TaskBranchAdmin(admin.ModelAdmin):
+    list_display = ("task", "name", "commit", "pushed_to", "created_by", "created_at")
+    search_fields = ("name", "commit")
+    raw_id_fields = ("task",)
+
+
+@admin.register(RepositoryCredential)
+class RepositoryCredentialAdmin(admin.ModelAdmin):
+    list_display = ("repository", "username", "updated_at")
+    # The secret is write-only everywhere (docs/SECURITY.md), the admin included: it shows who, not what.
+    exclude = ("secret_encrypted",)

@@ -95,7 +95,7 @@ def _run_as() -> tuple[int, int] | None:
 
 def _git(args: list[str], *, cwd: Path, home: Path, env: dict[str, str] | None = None,
          what: str) -> subprocess.CompletedProcess:
-    from sandboxes.archives import unprivileged_prefix
+    from sandboxes.extract_server import unprivileged_prefix
 
     run_as = _run_as()
     prefix = unprivileged_prefix(run_as, memory_bytes=2 << 30, cpu_seconds=GIT_TIMEOUT_S) if run_as else []

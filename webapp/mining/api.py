@@ -39,7 +39,7 @@ class MinedTaskOutput(serializers.ModelSerializer):
 
 
 class TaskSetListApi(APIView):
-    class Input(InputSerializer):
+    class TaskSetMineInput(InputSerializer):
         repository_id = serializers.IntegerField(min_value=1, max_value=2**63 - 1)
         name = serializers.CharField(max_length=200)
         settings = serializers.DictField(required=False, help_text="MiningConfig fields (max_candidates, max_tasks, "
@@ -50,9 +50,9 @@ class TaskSetListApi(APIView):
     def get(self, request):
         return Response(TaskSetOutput(selectors.task_set_list(user=request.user)[:200], many=True).data)
 
-    @extend_schema(summary="Mine a task set from a repository you own", request=Input, responses={201: TaskSetOutput})
+    @extend_schema(summary="Mine a task set from a repository you own", request=TaskSetMineInput, responses={201: TaskSetOutput})
     def post(self, request):
-        data = self.Input(data=request.data, context={"request": request})
+        data = self.TaskSetMineInput(data=request.data, context={"request": request})
         data.is_valid(raise_exception=True)
         values = data.validated_data
         repository = owned_get_for_change(queryset=Repository.objects.all(), user=request.user,
@@ -91,7 +91,7 @@ class TaskSetExportApi(APIView):
 
 
 class RepositoryEnvironmentApi(APIView):
-    class Input(InputSerializer):
+    class RepositoryEnvironmentInput(InputSerializer):
         setup_commands = serializers.ListField(child=serializers.CharField(max_length=1000), required=False,
                                                max_length=20)
         test_command = serializers.CharField(max_length=1000, required=False)
@@ -106,11 +106,11 @@ class RepositoryEnvironmentApi(APIView):
         return Response({"status": recipe.status, "recipe": recipe.recipe, "failure": recipe.failure,
                          "edited": recipe.edited, "budget": recipe.budget, "log": recipe.log})
 
-    @extend_schema(summary="Set the environment up (owner only): detect, or the recipe given", request=Input,
+    @extend_schema(summary="Set the environment up (owner only): detect, or the recipe given", request=RepositoryEnvironmentInput,
                    responses={202: dict})
     def post(self, request, pk: int):
         repository = owned_get_for_change(queryset=Repository.objects.all(), user=request.user, pk=pk)
-        data = self.Input(data=request.data, context={"request": request})
+        data = self.RepositoryEnvironmentInput(data=request.data, context={"request": request})
         data.is_valid(raise_exception=True)
         values = data.validated_data
         edited = None
