@@ -146,10 +146,14 @@ class AsyncRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = _RunState()
         self.budget_seconds = None if config.time_budget_minutes is None else config.time_budget_minutes * 60
+        self.clock_started = False
         self.learner = Learner(
             update_config_for(config),
             time_fraction=None if self.budget_seconds is None else lambda: self.training_seconds() / self.budget_seconds,
         )
+        # The budget's clock starts once the policy is loaded (loading it is not training): the first
+        # update's lr is the schedule's value at 0, as the schedule was built before the clock ran.
+        self.state.started_at, self.clock_started = time.monotonic(), True
         restored = self.learner.restore(self.run_dir)
         if restored is not None:
             self.state.version = int(restored["version"])
@@ -162,7 +166,8 @@ class AsyncRun:
         self.history: list[dict] = []
 
     def training_seconds(self) -> float:
-        return self.state.earlier_training_seconds + time.monotonic() - self.state.started_at
+        running = time.monotonic() - self.state.started_at if self.clock_started else 0.0
+        return self.state.earlier_training_seconds + running
 
     def budget_spent(self) -> bool:
         return self.budget_seconds is not None and self.training_seconds() >= self.budget_seconds
