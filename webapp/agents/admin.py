@@ -1,6 +1,13 @@
 from django.contrib import admin
 
-from webapp.agents.models import AgentTask, Repository, RepositoryCredential, TaskBranch, TaskEvent, TaskFollowUp
+from webapp.agents.models import (
+    AgentTask,
+    Repository,
+    RepositoryCredential,
+    TaskBranch,
+    TaskEvent,
+    TaskFollowUp,
+)
 
 
 @admin.register(Repository)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import itertools
 from functools import cache
 from pathlib import Path
 
@@ -133,20 +130,11 @@ def benchmark_suites(*, user) -> list[str]:
 
 @cache
 def dataclass_field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (what the launch form shows as help)."""
-    tree = ast.parse(inspect.getsource(cls))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(following.value.value)
-    return docs
+    """The docstring written under each field of a dataclass (what the launch form shows as help); the
+    driver's CLI reads the same through ``training.rollout.config.dataclass_field_docs``."""
+    from training.rollout.config import dataclass_field_docs as field_docs
+
+    return field_docs(cls)
 
 
 def experiment_form_fields() -> list[dict]:

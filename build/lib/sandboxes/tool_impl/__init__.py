@@ -1,1 +1,0 @@
-"""Implementations behind ``sandboxes.tools``: one handler per tool plus shared text helpers."""

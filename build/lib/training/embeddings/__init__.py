@@ -1,1 +1,0 @@
-"""Fine-tuning and evaluation of the code search encoder used by ``sandboxes.semantic``."""

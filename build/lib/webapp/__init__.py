@@ -1,3 +1,0 @@
-from webapp.celery import app as celery_app
-
-__all__ = ["celery_app"]

@@ -1,6 +1,0 @@
-from django.apps import AppConfig
-
-
-class FleetConfig(AppConfig):
-    name = "webapp.fleet"
-    label = "fleet"
