@@ -291,6 +291,21 @@ def _policy_factory(config: BenchConfig) -> tuple[Callable[[CodingTask, int], ob
     ), (lambda: None)
 
 
+def _attempt_record(outcome: TaskOutcome, *, result, passed: bool) -> None:
+    """Count one scored attempt of a task: pass, tokens, tool calls and the failed ones by tool."""
+    outcome.attempts += 1
+    outcome.passes += int(passed)
+    outcome.tokens.append(result.completion_tokens)
+    calls = [event["payload"]["name"] for event in result.events if event["kind"] == "tool_call"]
+    outcome.tool_calls.append(len(calls))
+    outcome.calls_by_tool.update(calls)
+    outcome.failed_calls_by_tool.update(
+        event["payload"]["name"]
+        for event in result.events
+        if event["kind"] == "tool_result" and not event["payload"]["ok"]
+    )
+
+
 def run_benchmark(
     *, config: BenchConfig, on_task: Callable[[dict], None] | None = None, tasks: list[CodingTask] | None = None
 ) -> dict:
@@ -351,17 +366,7 @@ def run_benchmark(
         finally:
             sandbox.destroy()
             outcome.wall_s += time.monotonic() - attempt_started
-        outcome.attempts += 1
-        outcome.passes += int(reward.passed)
-        outcome.tokens.append(result.completion_tokens)
-        calls = [event["payload"]["name"] for event in result.events if event["kind"] == "tool_call"]
-        outcome.tool_calls.append(len(calls))
-        outcome.calls_by_tool.update(calls)
-        outcome.failed_calls_by_tool.update(
-            event["payload"]["name"]
-            for event in result.events
-            if event["kind"] == "tool_result" and not event["payload"]["ok"]
-        )
+        _attempt_record(outcome, result=result, passed=reward.passed)
 
     jobs = [(task, index) for task in tasks for index in range(config.attempts)]
     try:

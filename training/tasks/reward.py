@@ -233,6 +233,28 @@ def _edit_text(old: str, new: str) -> str:
     return f"{old.strip()[:limit]}\n=>\n{new.strip()[:limit]}"
 
 
+def _probe_sandbox(sandbox) -> None:
+    """The tests printed no summary: either the agent's code killed the interpreter (policy behaviour) or
+    the sandbox is broken (infrastructure, raised)."""
+    try:
+        probe = sandbox.exec("python3 -c 'print(42)'", timeout_s=30)
+    except Exception as exc:
+        raise RewardInfrastructureError(f"sandbox probe failed: {exc}") from exc
+    if probe.exit_code != 0 or probe.stdout.strip() != "42":
+        raise RewardInfrastructureError(f"sandbox cannot run python3: {probe.stderr.strip()[-300:]}")
+
+
+def _style_penalties(touched: Mapping[str, tuple[str, str]], config: RewardConfig) -> tuple[float, float]:
+    """(lint, format) penalties: each applies once when any touched file got worse on that count."""
+    lint_penalty = format_penalty = 0.0
+    for path, (before, after) in touched.items():
+        if config.lint_weight and _lint_findings(after, path) > _lint_findings(before, path):
+            lint_penalty = config.lint_weight
+        if config.format_weight and _format_distance(after, path) > _format_distance(before, path):
+            format_penalty = config.format_weight
+    return lint_penalty, format_penalty
+
+
 def score_rollout(
     *, sandbox, task: CodingTask, config: RewardConfig | None = None, edit_arguments: Sequence[Mapping] = ()
 ) -> Reward:
@@ -264,13 +286,7 @@ def score_rollout(
             f"the test command could not start (exit {result.exit_code}): {output.strip()[-300:]}"
         )
     if ran is None and not result.timed_out:
-        # No summary: either the agent's code killed the interpreter or the sandbox is broken.
-        try:
-            probe = sandbox.exec("python3 -c 'print(42)'", timeout_s=30)
-        except Exception as exc:
-            raise RewardInfrastructureError(f"sandbox probe failed: {exc}") from exc
-        if probe.exit_code != 0 or probe.stdout.strip() != "42":
-            raise RewardInfrastructureError(f"sandbox cannot run python3: {probe.stderr.strip()[-300:]}")
+        _probe_sandbox(sandbox)
 
     passed_ids = {
         test_id for test_id, status in statuses.items() if status in ("ok", "skipped", "expected failure")
@@ -294,13 +310,7 @@ def score_rollout(
             # program that no longer terminates.
             base = max(base, config.reference_similarity_weight * similarity)
 
-    lint_penalty = format_penalty = 0.0
-    for path, (before, after) in touched.items():
-        if config.lint_weight and _lint_findings(after, path) > _lint_findings(before, path):
-            lint_penalty = config.lint_weight
-        if config.format_weight and _format_distance(after, path) > _format_distance(before, path):
-            format_penalty = config.format_weight
-
+    lint_penalty, format_penalty = _style_penalties(touched, config)
     return Reward(
         value=base - lint_penalty - format_penalty,
         passed=all_passed,
