@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import tarfile
 import zipfile
@@ -25,8 +26,10 @@ def _create(owner, repository, **extra):
 
 
 def _tar(members: dict[str, bytes], *, link: tuple[str, str] | None = None) -> bytes:
+    """A .tar.gz of ``members``, byte for byte the same on every call (gzip mtime 0): the bytes are part of
+    a parametrized test's id, which pytest-xdist workers must collect identically."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -36,7 +39,7 @@ def _tar(members: dict[str, bytes], *, link: tuple[str, str] | None = None) -> b
             info.type = tarfile.SYMTYPE
             info.linkname = link[1]
             archive.addfile(info)
-    return buffer.getvalue()
+    return gzip.compress(buffer.getvalue(), mtime=0)
 
 
 def test_submission_errors_say_what_is_wrong(owner, demo_repository, settings, tmp_path):
