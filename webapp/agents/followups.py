@@ -175,9 +175,11 @@ def _history(task: AgentTask) -> list[dict]:
     return history or [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
 
 
-def _callbacks(*, task_id: int, token, lost: threading.Event):
+def agent_callbacks(*, task_id: int, token, lost: threading.Event):
+    """(on_event, should_stop) of a claimed run: events stored under the claim, the run stopped when the
+    claim is lost or the user cancels (task_run and follow-ups alike)."""
     from training.agent.loop import AgentStopped
-    from webapp.agents.services import ClaimLost, task_event_append
+    from webapp.agents.events import ClaimLost, task_event_append
 
     def on_event(event: dict) -> None:
         try:
@@ -210,7 +212,7 @@ def _continue(*, task: AgentTask, token, sandbox, lost: threading.Event, workspa
     if followup is None:
         services.task_fail(task_id=task.pk, claim_token=token, reason="no follow-up message to continue with")
         return "failed: nothing to continue"
-    on_event, should_stop = _callbacks(task_id=task.pk, token=token, lost=lost)
+    on_event, should_stop = agent_callbacks(task_id=task.pk, token=token, lost=lost)
     result = run_agent(
         sandbox=sandbox, policy=services._policy_for(task), prompt=followup.message,
         limits=AgentLimits.from_dict(task.limits), on_event=on_event, should_stop=should_stop,

@@ -33,7 +33,7 @@ from webapp.agents.archives import (  # noqa: F401  (importable from here, as be
     MAX_ARCHIVE_UNPACKED_BYTES,
     archive_store,
 )
-from webapp.agents.events import (
+from webapp.agents.events import (  # noqa: F401  (importable from here, as before the split)
     ClaimLost,
     event_insert,
     task_event_append,
@@ -427,7 +427,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
     (webapp.agents.followups).
     """
     from sandboxes.base import SandboxError
-    from training.agent.loop import AgentStopped, run_agent
+    from training.agent.loop import run_agent
     from webapp.agents import followups, verify
 
     claimed = _db_retry(lambda: task_claim(task_id=task_id), what=f"claiming task {task_id}")
@@ -452,21 +452,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
         _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=snapshot.id),
                   what=f"recording the snapshot of task {task_id}")
 
-        def on_event(event: dict) -> None:
-            try:
-                task_event_append(task_id=task_id, claim_token=token, event=event)
-            except ClaimLost as exc:
-                raise AgentStopped(str(exc)) from exc
-
-        def should_stop() -> str | None:
-            if lost.is_set():
-                return "another worker took the task over"
-            current = AgentTask.objects.filter(pk=task_id).values_list("cancel_requested", "claim_token").first()
-            if current is None or current[1] != token:
-                lost.set()
-                return "another worker took the task over"
-            return "cancelled by the user" if current[0] else None
-
+        on_event, should_stop = followups.agent_callbacks(task_id=task_id, token=token, lost=lost)
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
                            should_stop=should_stop, first_seq=task.last_seq + 1,
                            next_message=followups.next_message_for(task_id=task_id))
