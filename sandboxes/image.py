@@ -238,7 +238,6 @@ def _rootfs_build(*, config: SandboxImageConfig, mirror: str, tarball: Path) -> 
 
 
 def _rootfs_import(*, config: SandboxImageConfig, tarball: Path, mirror: str) -> str:
-    import docker
 
     labels = {"flowstate.sandbox-image": config.fingerprint(mirror), **config.extra_labels}
     changes = [
@@ -249,11 +248,19 @@ def _rootfs_import(*, config: SandboxImageConfig, tarball: Path, mirror: str) ->
         'CMD ["sleep", "infinity"]',
         *(f"LABEL {key}={value}" for key, value in labels.items()),
     ]
-    repository, tag = config.image.rsplit(":", 1)
+    return rootfs_tarball_import(tarball=tarball, image=config.image, changes=changes)
+
+
+def rootfs_tarball_import(*, tarball: Path, image: str, changes: list[str]) -> str:
+    """``docker import`` of a root filesystem tarball as ``image`` (``name:tag``) with Dockerfile
+    ``changes``; returns the image id (shared by the sandbox and the application image)."""
+    import docker
+
+    repository, tag = image.rsplit(":", 1)
     client = docker.from_env()
     try:
         client.api.import_image(src=str(tarball), repository=repository, tag=tag, changes=changes)
-        return client.images.get(config.image).id
+        return client.images.get(image).id
     except docker.errors.APIError as exc:
         raise ImageBuildError(f"docker import of {tarball} failed: {exc}") from exc
     finally:

@@ -22,7 +22,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandboxes.image import ImageBuildError, _run, apt_mirror_for_suite, docker_image_id
+from sandboxes.image import (
+    ImageBuildError,
+    _run,
+    apt_mirror_for_suite,
+    docker_image_id,
+    rootfs_tarball_import,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +162,6 @@ def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
 
 
 def _import(*, config: AppImageConfig, tarball: Path) -> str:
-    import docker
 
     changes = [
         f"WORKDIR {APP_DIR}",
@@ -169,12 +174,4 @@ def _import(*, config: AppImageConfig, tarball: Path) -> str:
         '"--ws-per-message-deflate", "false"]',
         "LABEL flowstate.app-image=1",
     ]
-    repository, tag = config.image.rsplit(":", 1)
-    client = docker.from_env()
-    try:
-        client.api.import_image(src=str(tarball), repository=repository, tag=tag, changes=changes)
-        return client.images.get(config.image).id
-    except docker.errors.APIError as exc:
-        raise ImageBuildError(f"docker import of {tarball} failed: {exc}") from exc
-    finally:
-        client.close()
+    return rootfs_tarball_import(tarball=tarball, image=config.image, changes=changes)
