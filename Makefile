@@ -39,6 +39,7 @@ bench: static
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check webapp training sandboxes kernels tests benchmarks scripts
+	$(VENV)/bin/mypy webapp sandboxes
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var

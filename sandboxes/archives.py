@@ -18,6 +18,7 @@ cannot write as root: a child of the worker's unprivileged fork server (``extrac
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -104,7 +105,14 @@ def _zip_members(zf: zipfile.ZipFile) -> Iterator[_Member]:
         elif stat.S_IFMT(mode) and not stat.S_ISREG(mode):
             yield _Member(info.filename, "special", 0, 0)
         else:
-            yield _Member(info.filename, "file", info.file_size, mode & 0o777, opener=lambda i=info: zf.open(i))
+            yield _Member(info.filename, "file", info.file_size, mode & 0o777, opener=functools.partial(zf.open, info))
+
+
+def _tar_member_stream(tar: tarfile.TarFile, info: tarfile.TarInfo) -> IO[bytes]:
+    stream = tar.extractfile(info)
+    if stream is None:  # only for members that are not regular files, which never get an opener
+        raise ArchiveRejected(f"archive member {info.name!r} has no data")
+    return stream
 
 
 def _tar_members(tar: tarfile.TarFile) -> Iterator[_Member]:
@@ -117,7 +125,7 @@ def _tar_members(tar: tarfile.TarFile) -> Iterator[_Member]:
             yield _Member(info.name, "dir", 0, info.mode & 0o777)
         elif info.isfile():
             yield _Member(info.name, "file", info.size, info.mode & 0o777,
-                          opener=lambda i=info: tar.extractfile(i))
+                          opener=functools.partial(_tar_member_stream, tar, info))
         else:
             yield _Member(info.name, "special", 0, 0)
 
@@ -213,6 +221,8 @@ class _Extractor:
         fd = open_beneath(parent_fd, base, flags, 0o600, follow_symlinks=False)
         try:
             written = 0
+            if member.opener is None:
+                raise ArchiveRejected(f"archive member {member.name!r} has no data")
             with member.opener() as src:
                 while chunk := src.read(1 << 20):
                     written += len(chunk)

@@ -17,11 +17,13 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from sandboxes import safe_fs
+from sandboxes.archives import ArchiveLimits
 from sandboxes.base import (
     WORKSPACE_DIR,
     DirEntry,
@@ -158,6 +160,19 @@ class CoreSandbox(Sandbox):
         return workspace_diff(snapshot_dir=self.snapshot.location, workspace_fd=fd)
 
 
+class CoreBackendConfig(Protocol):
+    """What the core reads of a backend's config (LocalBackendConfig, DockerBackendConfig)."""
+
+    @property
+    def warm_pool_size(self) -> int: ...
+    @property
+    def warm_max_idle_s(self) -> float: ...
+    @property
+    def setup_limits(self) -> SandboxLimits: ...
+    @property
+    def archive_limits(self) -> ArchiveLimits: ...
+
+
 class CoreBackend(SandboxBackend):
     """Snapshot store, sandbox creation and the warm pool over a backend's ``_new_sandbox``.
 
@@ -173,6 +188,7 @@ class CoreBackend(SandboxBackend):
     fork_workers = 1
     """Sandboxes ``sandbox_fork`` starts concurrently."""
     root: Path
+    config: CoreBackendConfig
     _agent_owner: tuple[int, int]
 
     def _warm_pool_start(self) -> None:
@@ -268,7 +284,7 @@ class CoreBackend(SandboxBackend):
             return claimed
         return self._new_sandbox(snapshot=snapshot, limits=limits)
 
-    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> list[CoreSandbox]:
+    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> Sequence[CoreSandbox]:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
         self._check_snapshot(snapshot)

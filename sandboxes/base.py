@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Self
 
 WORKSPACE_DIR = "/workspace"
@@ -208,6 +210,8 @@ class SandboxBackend(abc.ABC):
     """Creates snapshots and the sandboxes that run on them."""
 
     name: str
+    root: Path
+    """State root: snapshots, sandboxes and the registry of this backend live under it."""
 
     @abc.abstractmethod
     def snapshot_create(
@@ -220,11 +224,15 @@ class SandboxBackend(abc.ABC):
         the network on and its own time and disk budget); the sandboxes made from it get their own."""
 
     @abc.abstractmethod
+    def snapshot_delete(self, *, snapshot: Snapshot) -> None:
+        """Delete a snapshot's files; sandboxes still running on it must be destroyed first."""
+
+    @abc.abstractmethod
     def sandbox_create(self, *, snapshot: Snapshot, limits: SandboxLimits) -> Sandbox:
         """Start one sandbox whose workspace is a private copy-on-write view of ``snapshot``."""
 
     @abc.abstractmethod
-    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> list[Sandbox]:
+    def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> Sequence[Sandbox]:
         """Start ``count`` independent sandboxes on ``snapshot`` (e.g. one per RL rollout)."""
 
     @abc.abstractmethod

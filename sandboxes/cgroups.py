@@ -55,7 +55,10 @@ class SandboxCgroup:
         paths: dict[str, Path] = {}
         try:
             for controller in CONTROLLERS:
-                path = _own_path(controller) / f"flowstate-{name}"
+                own = _own_path(controller)
+                if own is None:
+                    raise OSError(f"this process is in no {controller} cgroup")
+                path = own / f"flowstate-{name}"
                 path.mkdir(exist_ok=True)
                 paths[controller] = path
             (paths["memory"] / "memory.limit_in_bytes").write_text(str(memory_bytes))

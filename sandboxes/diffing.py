@@ -22,7 +22,9 @@ Entry = tuple[int, bytes | None]
 """(st_mode, content) of one path; content is None for entries that are neither files nor symlinks."""
 
 
-def _git_mode(mode: int) -> str:
+def _git_mode(mode: int | None) -> str:
+    if mode is None:
+        raise ValueError("a file that is absent on one side has no mode there")
     if stat.S_ISLNK(mode):
         return "120000"
     return "100755" if mode & 0o111 else "100644"

@@ -127,6 +127,8 @@ def _mount(source: str, target: Path, fstype: str, options: str, cwd: Path | Non
 class DockerSandbox(CoreSandbox):
     """A sandbox run by ``DockerBackend``: one container plus its host-side workspace overlay."""
 
+    _backend: DockerBackend
+
     def __init__(self, *, backend: DockerBackend, sandbox_id: str, snapshot: Snapshot, limits: SandboxLimits,
                  container_id: str, workspace_fd: int) -> None:
         super().__init__(backend=backend, sandbox_id=sandbox_id, snapshot=snapshot, limits=limits)
@@ -184,6 +186,7 @@ class DockerBackend(CoreBackend):
     """Sandboxes as Docker containers on the local engine (needs root for the host overlays)."""
 
     name = "docker"
+    config: DockerBackendConfig
     snapshot_prefix = "dsnap-"
 
     def __init__(self, config: DockerBackendConfig | None = None) -> None:

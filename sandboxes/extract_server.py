@@ -280,7 +280,7 @@ def _serve_one(message: bytes, archive_fd: int, dest_fd: int, reply_fd: int) -> 
         label = str(header["label"])[:200]
         with os.fdopen(archive_fd, "rb", closefd=False) as stream:
             _extract_stream(stream, dest_fd, ArchiveLimits(**header["limits"]), label)
-        answer = {"ok": True}
+        answer: dict[str, object] = {"ok": True}
     except ArchiveRejected as exc:
         answer = {"rejected": str(exc)[:2000]}
     except MemoryError:

@@ -110,7 +110,7 @@ def check_url(url: str, *, hosts_allowed: frozenset[str] | None = None,
         if resolve_required:
             raise GitSourceRejected(f"the git host {host!r} could not be resolved") from None
         infos = []
-    addresses = sorted({info[4][0] for info in infos})
+    addresses = sorted({str(info[4][0]) for info in infos})
     if host not in allowed:
         refused = [a for a in addresses if not _is_public(ipaddress.ip_address(a.split("%", 1)[0]))]
         if refused:

@@ -31,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, cast
 
 from sandboxes import extract_server, paths, proc
 from sandboxes.archives import ArchiveLimits
@@ -116,6 +116,8 @@ class LocalBackendConfig:
 class LocalSandbox(CoreSandbox):
     """A sandbox run by ``LocalBackend``."""
 
+    _backend: LocalBackend
+
     def __init__(self, *, backend: LocalBackend, sandbox_id: str, snapshot: Snapshot, limits: SandboxLimits,
                  holder: _Holder, workspace_bind: str | None) -> None:
         super().__init__(backend=backend, sandbox_id=sandbox_id, snapshot=snapshot, limits=limits)
@@ -182,6 +184,7 @@ class LocalBackend(CoreBackend):
     """Namespace + overlayfs sandboxes on this machine (root or rootless)."""
 
     name = "local"
+    config: LocalBackendConfig
     snapshot_prefix = "snap-"
     remember_claimed_pairs = True
 
@@ -432,8 +435,10 @@ class LocalBackend(CoreBackend):
         started = time.monotonic()
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    env=dict(COMMAND_ENV), start_new_session=True, close_fds=True)
-        buffers = {process.stdout: CappedOutput(self.config.max_output_bytes),
-                   process.stderr: CappedOutput(self.config.max_output_bytes)}
+        stdout, stderr = process.stdout, process.stderr
+        assert stdout is not None and stderr is not None  # both are pipes
+        buffers: dict[IO[bytes], CappedOutput] = {stdout: CappedOutput(self.config.max_output_bytes),
+                                                  stderr: CappedOutput(self.config.max_output_bytes)}
         timed_out = False
         exited_at: float | None = None
         with selectors.DefaultSelector() as selector:
@@ -453,15 +458,15 @@ class LocalBackend(CoreBackend):
                 if timed_out and now - started > timeout_s + 2.0:
                     break
                 for key, _ in selector.select(timeout=0.05):
-                    stream = key.fileobj
+                    readable = cast(IO[bytes], key.fileobj)
                     try:
-                        chunk = os.read(stream.fileno(), 65536)
+                        chunk = os.read(readable.fileno(), 65536)
                     except BlockingIOError:
                         continue
                     if not chunk:
-                        selector.unregister(stream)
+                        selector.unregister(readable)
                         continue
-                    buffers[stream].add(chunk)
+                    buffers[readable].add(chunk)
         if not timed_out:
             # Both pipes can close before nsenter has reaped its child; only the timeout may kill.
             try:
@@ -474,8 +479,8 @@ class LocalBackend(CoreBackend):
         for stream in buffers:
             stream.close()
         duration = time.monotonic() - started
-        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=buffers[process.stdout].text(),
-                          stderr=buffers[process.stderr].text(), timed_out=timed_out, duration_s=duration)
+        return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=buffers[stdout].text(),
+                          stderr=buffers[stderr].text(), timed_out=timed_out, duration_s=duration)
 
     @staticmethod
     def _kill_group(pgid: int) -> None:

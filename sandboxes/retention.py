@@ -17,7 +17,7 @@ def snapshots_gc(*, snapshots_dir: Path, max_age_s: float, in_use: set[str], now
     if max_age_s <= 0:
         raise ValueError("max_age_s must be positive")
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     if not snapshots_dir.is_dir():
         return removed
     for entry in sorted(snapshots_dir.iterdir()):

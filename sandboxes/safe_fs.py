@@ -16,6 +16,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from typing import Literal
 
 from sandboxes.base import DirEntry, PathOutsideWorkspace, SandboxError, SandboxLimitExceeded
 
@@ -35,7 +36,7 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def normalize_relative(path: str) -> str:
+def normalize_relative(path: object) -> str:
     """Validate a workspace path lexically and return it without ``./`` noise ('' means the root).
 
     Accepts ``/workspace/...`` (the in-sandbox absolute spelling) as the relative path below it.
@@ -203,7 +204,7 @@ def _write_below(root_fd: int, relative: str, parent: str, name: str, data: byte
         os.close(parent_fd)
 
 
-def _kind(mode: int) -> str:
+def _kind(mode: int) -> Literal["file", "dir", "symlink", "other"]:
     if stat.S_ISLNK(mode):
         return "symlink"
     if stat.S_ISDIR(mode):

@@ -19,7 +19,7 @@ import os
 import threading
 import uuid
 
-from sandboxes.base import RepoSource, SandboxBackend, SandboxError, SandboxGone, SandboxLimits
+from sandboxes.base import RepoSource, SandboxBackend, SandboxError, SandboxGone, SandboxLimits, Snapshot
 from sandboxes.fleet.client import Fleet, FleetConfig, FleetSandbox, FleetSnapshot
 
 PRODUCT_TENANT = "product"
@@ -54,18 +54,21 @@ class FleetBackend(SandboxBackend):
                 self._fleet = Fleet.connect(self.config)
             return self._fleet
 
-    def snapshot_create(self, *, source: RepoSource, image: str | None = None,
+    # A fleet snapshot is a recipe plus the copies built per host, not one backend's frozen tree.
+    def snapshot_create(self, *, source: RepoSource, image: str | None = None,  # type: ignore[override]
                         setup_commands: tuple[str, ...] | list[str] = (),
                         setup_limits: SandboxLimits | None = None) -> FleetSnapshot:
         """A snapshot that is built on the host its sandbox is placed on (see ``sandbox_create``)."""
         return FleetSnapshot(key=f"fleet-{uuid.uuid4().hex[:16]}", per_host={}, source=source, image=image,
                              setup_commands=tuple(setup_commands), setup_limits=setup_limits)
 
-    def sandbox_create(self, *, snapshot: FleetSnapshot, limits: SandboxLimits) -> FleetSandbox:
+    def sandbox_create(self, *, snapshot: Snapshot | FleetSnapshot, limits: SandboxLimits) -> FleetSandbox:
         return self.sandbox_fork(snapshot=snapshot, count=1, limits=limits)[0]
 
-    def sandbox_fork(self, *, snapshot: FleetSnapshot, count: int, limits: SandboxLimits) -> list[FleetSandbox]:
+    def sandbox_fork(self, *, snapshot: Snapshot | FleetSnapshot, count: int,
+                     limits: SandboxLimits) -> list[FleetSandbox]:
         """Product sandboxes on the best host; placed again on another host when one is lost on the way."""
+        snapshot = _fleet_snapshot(snapshot)
         fleet = self.fleet()
         last: SandboxError | None = None
         for _ in range(self.attempts):
@@ -77,9 +80,10 @@ class FleetBackend(SandboxBackend):
                 fleet.refresh()
         raise SandboxGone(f"no sandbox host could start the sandbox after {self.attempts} attempts: {last}")
 
-    def snapshot_delete(self, *, snapshot: FleetSnapshot) -> None:
+    def snapshot_delete(self, *, snapshot: Snapshot | FleetSnapshot) -> None:
         import ray
 
+        snapshot = _fleet_snapshot(snapshot)
         fleet = self.fleet()
         for name, built in list(snapshot.per_host.items()):
             host = fleet.hosts.get(name)
@@ -97,3 +101,9 @@ class FleetBackend(SandboxBackend):
 
     def gc(self, *, max_age_s: float) -> dict[str, int]:
         return {"sandboxes": 0, "snapshots": 0}  # each host runs its own retention pass
+
+
+def _fleet_snapshot(snapshot: Snapshot | FleetSnapshot) -> FleetSnapshot:
+    if not isinstance(snapshot, FleetSnapshot):
+        raise SandboxError(f"the fleet backend takes snapshots it made, not a {snapshot.backend} snapshot")
+    return snapshot

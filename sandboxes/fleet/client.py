@@ -15,6 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from sandboxes.base import (
     DirEntry,
@@ -100,7 +101,8 @@ class _Host:
     name: str
     node_id: str
     slots: int
-    actor: object
+    actor: Any
+    """The host's Ray actor handle (its methods are called as ``actor.method.remote(...)``)."""
 
 
 class Fleet:
@@ -278,9 +280,9 @@ class Fleet:
         if built is None:
             if snapshot.source is None:
                 raise SandboxError(f"snapshot {snapshot.key} is not on host {host.name} and has no source to build it")
-            built = ray.get(host.actor.snapshot_create.remote(
+            built = cast(Snapshot, ray.get(host.actor.snapshot_create.remote(
                 source=snapshot.source, image=snapshot.image, setup_commands=snapshot.setup_commands,
-                setup_limits=snapshot.setup_limits))
+                setup_limits=snapshot.setup_limits)))
             snapshot.per_host[host.name] = built
         return built
 
@@ -317,7 +319,7 @@ class Fleet:
         destroyed = 0
         for host in self.hosts.values():
             with contextlib.suppress(ray.exceptions.RayError):  # its node is gone, and its sandboxes with it
-                destroyed += ray.get(host.actor.shutdown.remote())
+                destroyed += cast(int, ray.get(host.actor.shutdown.remote()))
             ray.kill(host.actor)
         return destroyed
 
@@ -340,7 +342,7 @@ def _host_attach(config: FleetConfig, node: dict) -> _Host | None:
 
     try:
         actor = ray.get_actor(host_actor_name(node["NodeID"]), namespace=config.namespace)
-        load = ray.get(actor.load.remote(), timeout=60)
+        load = cast(dict[str, Any], ray.get(actor.load.remote(), timeout=60))
     except (ValueError, ray.exceptions.RayError, TimeoutError):
         return None
     return _Host(load["host_name"], node["NodeID"], load["slots"], actor)

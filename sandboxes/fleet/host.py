@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from sandboxes.base import DirEntry, ExecResult, RepoSource, Sandbox, SandboxError, SandboxLimits, Snapshot
-from sandboxes.fleet.admission import AdmissionConfig, AdmissionController, AdmissionRejected
+from sandboxes.fleet.admission import AdmissionConfig, AdmissionController, AdmissionRejected, Purpose
 from sandboxes.fleet.heartbeat import HostHeartbeat, SandboxStatus
 from sandboxes.fleet.usage import SandboxUsage, SandboxUsageSampler
 
@@ -85,7 +85,7 @@ class SandboxHostConfig:
 @dataclass
 class _Entry:
     sandbox: Sandbox
-    purpose: str
+    purpose: Purpose
     tenant: str
     busy: int = 0
 
@@ -144,11 +144,11 @@ class SandboxHost:
 
     # Sandboxes ----------------------------------------------------------------------------------
 
-    async def create(self, *, snapshot: Snapshot, limits: SandboxLimits, purpose: str = "training",
+    async def create(self, *, snapshot: Snapshot, limits: SandboxLimits, purpose: Purpose = "training",
                      tenant: str = "default") -> str:
         return (await self.fork(snapshot=snapshot, count=1, limits=limits, purpose=purpose, tenant=tenant))[0]
 
-    async def fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits, purpose: str = "training",
+    async def fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits, purpose: Purpose = "training",
                    tenant: str = "default") -> list[str]:
         """Wait for ``count`` slots (queued fairly when the host is full), then start the sandboxes."""
         self._ensure_reaper()
@@ -324,7 +324,8 @@ class SandboxHost:
 try:
     import ray
 
-    SandboxHostActor = ray.remote(num_cpus=0, max_concurrency=1000)(SandboxHost)
+    # Ray's type stubs have no overload for an actor class with max_concurrency; the call is Ray's documented one.
+    SandboxHostActor = ray.remote(num_cpus=0, max_concurrency=1000)(SandboxHost)  # type: ignore[call-overload]
 except ImportError:  # the fleet needs Ray; the rest of sandboxes does not
     SandboxHostActor = None
 

@@ -46,14 +46,14 @@ class SandboxUsageSampler:
         rss = dict.fromkeys(by_namespace.values(), 0)
         if by_namespace:
             for process in psutil.process_iter():
-                sandbox_id = by_namespace.get(_pid_namespace(process.pid) or "")
-                if sandbox_id is None:
+                owner = by_namespace.get(_pid_namespace(process.pid) or "")
+                if owner is None:
                     continue
                 try:
                     with process.oneshot():
                         times = process.cpu_times()
-                        cpu_seconds[sandbox_id] += times.user + times.system
-                        rss[sandbox_id] += process.memory_info().rss
+                        cpu_seconds[owner] += times.user + times.system
+                        rss[owner] += process.memory_info().rss
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
         now = time.monotonic()

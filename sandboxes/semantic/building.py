@@ -56,7 +56,7 @@ class BuildRegistry:
         snapshot_id: str,
         files: Callable[[], Iterable[tuple[str, bytes]]],
         config: SemanticSearchConfig,
-        on_ready: Callable[[BaseIndex], None],
+        on_ready: Callable[[BaseIndex], object],
     ) -> IndexBuild:
         """The running build for ``key``, or a new one; a failed build is replaced by a fresh attempt."""
         with self._lock:
@@ -88,7 +88,7 @@ class BuildRegistry:
         build: IndexBuild,
         files: Callable[[], Iterable[tuple[str, bytes]]],
         config: SemanticSearchConfig,
-        on_ready: Callable[[BaseIndex], None],
+        on_ready: Callable[[BaseIndex], object],
     ) -> None:
         try:
             on_disk = base_index_load(snapshot_id=build.snapshot_id, config=config)

@@ -86,7 +86,10 @@ def chunk_file(*, path: str, source: str, config: ChunkingConfig) -> list[Chunk]
     return _windows(path=path, lines=lines, start=1, end=len(lines), kind="window", symbol="", config=config)
 
 
-def _definition_start(node: ast.AST) -> int:
+_Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+
+
+def _definition_start(node: _Definition) -> int:
     decorators = getattr(node, "decorator_list", [])
     return min([node.lineno] + [d.lineno for d in decorators])
 
@@ -99,7 +102,7 @@ def _python_chunks(*, path: str, lines: list[str], tree: ast.Module, config: Chu
     covered: set[int] = set()
     for node in definitions:
         chunks.extend(_definition_chunks(path=path, lines=lines, node=node, prefix="", config=config))
-        covered.update(range(_definition_start(node), node.end_lineno + 1))
+        covered.update(range(_definition_start(node), (node.end_lineno or node.lineno) + 1))
 
     # Statements outside definitions (imports, constants, the `if __name__` block) form the module
     # head and the glue between definitions; keep them searchable as windows of contiguous lines.
@@ -124,10 +127,10 @@ def _python_chunks(*, path: str, lines: list[str], tree: ast.Module, config: Chu
 
 
 def _definition_chunks(
-    *, path: str, lines: list[str], node: ast.AST, prefix: str, config: ChunkingConfig
+    *, path: str, lines: list[str], node: _Definition, prefix: str, config: ChunkingConfig
 ) -> list[Chunk]:
     symbol = f"{prefix}{node.name}"
-    start, end = _definition_start(node), node.end_lineno
+    start, end = _definition_start(node), node.end_lineno or node.lineno
     if isinstance(node, ast.ClassDef):
         methods = [
             child for child in node.body if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from sandboxes.settings import current as current_settings
 
@@ -112,7 +113,7 @@ class SemanticSearchConfig:
         if self.max_k < 1:
             raise SemanticSearchError("max_k must be at least 1")
 
-    def with_changes(self, **changes: object) -> SemanticSearchConfig:
+    def with_changes(self, **changes: Any) -> SemanticSearchConfig:
         return replace(self, **changes)
 
     @classmethod
@@ -121,7 +122,7 @@ class SemanticSearchConfig:
         configured = current_settings()
         setting = configured.semantic_setting
         sandbox_root = configured.root
-        kwargs: dict[str, object] = {
+        kwargs: dict[str, Any] = {
             "index_root": Path(setting("SEMANTIC_INDEX_ROOT") or Path(sandbox_root) / "semantic-index"),
             "encoder_cache_dir": Path(sandbox_root) / "semantic-encoders",
             "vector_store": setting("SEMANTIC_VECTOR_STORE") or "auto",

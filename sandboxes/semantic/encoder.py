@@ -61,11 +61,18 @@ def encoder_fingerprint(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def embedding_dimension(encoder: SentenceTransformer) -> int:
+    """The encoder's vector size (sentence-transformers returns None for a model that does not state it)."""
+    dimension = encoder.get_embedding_dimension()
+    if dimension is None:
+        raise SemanticSearchError("the encoder does not state its embedding dimension")
+    return int(dimension)
+
+
 def encode_texts(*, encoder: SentenceTransformer, texts: list[str], batch_size: int) -> np.ndarray:
     """Unit-normalised float32 embeddings, one row per text (cosine similarity is a dot product)."""
     if not texts:
-        dimension = encoder.get_embedding_dimension()
-        return np.zeros((0, dimension), dtype=np.float32)
+        return np.zeros((0, embedding_dimension(encoder)), dtype=np.float32)
     vectors = encoder.encode(
         texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
     )
@@ -82,7 +89,7 @@ class TorchTextEncoder:
 
     @property
     def dimension(self) -> int:
-        return int(self.model.get_embedding_dimension())
+        return embedding_dimension(self.model)
 
     def encode(
         self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None

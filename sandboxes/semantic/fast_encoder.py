@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from filelock import FileLock
@@ -31,6 +31,11 @@ ONNX_BACKENDS = ("onnx", "onnx-int8")
 _EXPORT_OPSET = 17
 
 
+def _stage(model: SentenceTransformer, index: int) -> Any:
+    """``model[index]``: a sentence-transformers pipeline stage (its indexing is typed as Module | Tensor)."""
+    return model[index]
+
+
 def _check_architecture(model: SentenceTransformer) -> None:
     """The export reproduces Transformer -> mean Pooling -> Normalize only; anything else is refused."""
     names = [type(module).__name__ for module in model]
@@ -39,7 +44,7 @@ def _check_architecture(model: SentenceTransformer) -> None:
             f"the ONNX encoder backend supports Transformer + Pooling (+ Normalize) models, not {names}; "
             "set SEMANTIC_ENCODER_BACKEND=torch for this model"
         )
-    pooling = model[1].get_config_dict()
+    pooling = _stage(model, 1).get_config_dict()
     mode = pooling.get("pooling_mode") or ("mean" if pooling.get("pooling_mode_mean_tokens") else "other")
     if mode != "mean" or not pooling.get("include_prompt", True):
         raise SemanticSearchError(
@@ -51,7 +56,7 @@ def _check_architecture(model: SentenceTransformer) -> None:
 def _export(*, model: SentenceTransformer, destination: Path) -> None:
     import torch
 
-    transformer = model[0].auto_model
+    transformer = _stage(model, 0).auto_model
 
     class Pooled(torch.nn.Module):
         def __init__(self) -> None:
@@ -98,7 +103,7 @@ def _fuse(*, source: Path, destination: Path, model: SentenceTransformer) -> Non
     """ONNX Runtime's transformer optimizer: fused attention, LayerNorm (+ residual) and GELU kernels."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    config = model[0].auto_model.config
+    config = _stage(model, 0).auto_model.config
     optimized = optimize_model(str(source), model_type="bert", num_heads=int(config.num_attention_heads),
                                hidden_size=int(config.hidden_size), opt_level=1, use_gpu=False)
     optimized.save_model_to_file(str(destination))
@@ -171,7 +176,10 @@ class OnnxTextEncoder:
         )
         self._tokenizer = model.tokenizer
         self._max_seq_length = max_seq_length
-        self._dimension = int(model.get_embedding_dimension())
+        dimension = model.get_embedding_dimension()
+        if dimension is None:
+            raise SemanticSearchError(f"the encoder at {onnx_path.parent} does not state its embedding dimension")
+        self._dimension = int(dimension)
         self.name = onnx_path.name
 
     @property

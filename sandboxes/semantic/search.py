@@ -234,6 +234,7 @@ def search_hits_or_lexical(
         return _semantic_hits(sandbox=sandbox, base=ready, query=query, k=k, config=config), None
     current = fork_changes(sandbox=sandbox)
     edited = chunks_for_files(files=[(path, data) for path, data in current.items() if data is not None], config=config)
+    assert ready.lexical is not None  # base_index_or_build returns a build only once its chunks are ready
     hits = ready.lexical.search(query=query, k=k, exclude_paths=frozenset(current), extra=edited)
     return hits, ready
 

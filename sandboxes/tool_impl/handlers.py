@@ -148,7 +148,7 @@ def edit_file(sandbox: Sandbox, args: dict[str, Any]) -> Outcome:
         raise ToolFailure("old_str and new_str are identical; nothing would change")
     data = _read_editable(sandbox, path, "edit_file")
     needle = old.encode("utf-8")
-    positions = []
+    positions: list[int] = []
     start = data.find(needle)
     while start != -1 and len(positions) < 21:
         positions.append(start)

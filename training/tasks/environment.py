@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from training.tasks.autoinstall import (
     InstallError,
@@ -24,6 +25,9 @@ from training.tasks.autoinstall import (
 )
 from training.tasks.testoutput import parse_test_output
 
+if TYPE_CHECKING:
+    from sandboxes.base import Snapshot
+
 LOG_MAX_CHARS = 64_000
 
 
@@ -33,7 +37,7 @@ class PreparedEnvironment:
 
     recipe: InstallRecipe
     """The recipe, with tests_ran / tests_passed / baseline filled in and verified=True."""
-    snapshot: object
+    snapshot: Snapshot
     """The backend's Snapshot with the setup done; sandboxes forked from it start ready to test."""
     paths: list[str]
     """Every file of the repository (relative paths, .git excluded)."""

@@ -157,8 +157,9 @@ def _materialize(task: AgentTask, work: Path) -> Path:
                            tree=tree, run_as=_run_as(), archive_limits=ArchiveLimits())
     except (SandboxError, OSError) as exc:
         raise BranchError(f"could not fetch the repository again: {exc}") from None
-    if _run_as():
-        _chown_tree(tree, _run_as())
+    owner = _run_as()
+    if owner is not None:
+        _chown_tree(tree, owner)
     return tree
 
 
@@ -227,8 +228,9 @@ def branch_create(*, task: AgentTask, user) -> TaskBranch:
         os.chmod(scratch, 0o711)
         work = scratch / "work"
         work.mkdir(mode=0o700)
-        if _run_as():
-            os.chown(work, *_run_as())
+        owner = _run_as()
+        if owner is not None:
+            os.chown(work, *owner)
         try:
             base, commit, tree = _build(task, work, message)
             pushed_to, push_error = "", ""

@@ -192,8 +192,10 @@ def task_create(
     elif git_url:
         kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref_check(ref=git_ref)
         label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
-    else:
+    elif archive is not None:
         kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
+    else:
+        raise ValidationError({"repository": "give a repository, a git URL or an archive"})
 
     task = AgentTask.objects.create(
         owner=owner, team=team, repository=repository, repo_kind=kind, repo_location=location, repo_ref=ref,

@@ -17,6 +17,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 
@@ -30,7 +31,8 @@ _TEST_PATH = re.compile(r"(^|/)(tests?/|test_[^/]*\.py$|[^/]*_test\.py$|conftest
 
 @dataclass(frozen=True)
 class Verification:
-    outcome: str
+    outcome: Any
+    """An ``AgentTask.Outcome`` (Django's choices are untyped to mypy without django-stubs)."""
     command: str = ""
     summary: str = ""
     output: str = ""

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import threading
+from typing import Any
 
 from channels.layers import get_channel_layer
 from django.db import transaction
@@ -45,26 +46,28 @@ class GroupPublisher:
             if self._loop is not None and self._pid == os.getpid():
                 return
             self._pid = os.getpid()
-            self._loop = asyncio.new_event_loop()
-            self._queue = asyncio.Queue()
+            self._loop = loop = asyncio.new_event_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            self._queue = queue
             ready = threading.Event()
-            threading.Thread(target=self._serve, args=(ready,), name="channels-publisher", daemon=True).start()
+            threading.Thread(target=self._serve, args=(loop, queue, ready), name="channels-publisher",
+                             daemon=True).start()
             ready.wait(5)
 
-    def _serve(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(ready.set)
-        self._loop.run_until_complete(self._drain())
+    def _serve(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_until_complete(self._drain(queue))
 
-    async def _drain(self) -> None:
-        layers: dict[str, object] = {}
+    async def _drain(self, queue: asyncio.Queue) -> None:
+        layers: dict[str, Any] = {}
         while True:
-            batch = [await self._queue.get()]
+            batch = [await queue.get()]
             # A turn's events are committed a few milliseconds apart; waiting a moment lets them
             # leave as one message, which matters when hundreds of viewers each get every message.
             await asyncio.sleep(COALESCE_WINDOW_S)
-            while not self._queue.empty() and len(batch) < MAX_EVENTS_PER_MESSAGE:
-                batch.append(self._queue.get_nowait())
+            while not queue.empty() and len(batch) < MAX_EVENTS_PER_MESSAGE:
+                batch.append(queue.get_nowait())
             # Messages of different layers never merge: the (layer, group) pair is the group key.
             for (alias, group), message in coalesce_events([((alias, group), message)
                                                             for alias, group, message, _ in batch]):
@@ -76,7 +79,7 @@ class GroupPublisher:
                 except Exception:  # a broken channel layer must not fail the caller; viewers resume from the DB
                     logger.exception("could not publish to %s", group)
             for *_, done in batch:
-                self._queue.task_done()
+                queue.task_done()
                 if done is not None:
                     done.set()
 
@@ -84,8 +87,10 @@ class GroupPublisher:
         """Queue ``message`` for ``group`` of channel layer ``layer``; with ``wait_s``, wait up to that
         long until it was sent (a process about to exit still sends its last message)."""
         self._ensure_started()
+        loop, queue = self._loop, self._queue
+        assert loop is not None and queue is not None  # _ensure_started made both
         done = threading.Event() if wait_s else None
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (layer, group, message, done))
+        loop.call_soon_threadsafe(queue.put_nowait, (layer, group, message, done))
         if done is not None:
             done.wait(wait_s)
 
@@ -94,16 +99,17 @@ publisher = GroupPublisher()
 """The publisher of this process; every app publishes through it."""
 
 
-def coalesce_events(items: list[tuple[object, dict]]) -> list[tuple[object, dict]]:
+def coalesce_events(items: list[tuple[Any, dict]]) -> list[tuple[Any, dict]]:
     """Merge consecutive events of one task into one group message (one websocket frame per viewer).
 
     A turn publishes several events within milliseconds (model output, its tool calls, then their
     results); with hundreds of viewers each extra message costs hundreds of deliveries. Order is
     kept: only neighbours merge, and a status message ends a run of events.
     """
-    merged: list[tuple[object, dict]] = []
+    merged: list[tuple[Any, dict]] = []
     pending: list[str] = []
-    pending_group, first_seq, last_seq, first_ts = "", 0, 0, None
+    pending_group: Any = ""
+    first_seq, last_seq, first_ts = 0, 0, None
 
     def flush() -> None:
         if pending:

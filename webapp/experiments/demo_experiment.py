@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from webapp.experiments.models import Experiment, ExperimentStep
+
+if TYPE_CHECKING:
+    from training.agent.loop import AgentResult
+    from training.tasks.reward import Reward
 
 DEMO_EXPERIMENT_NAME = "demo: scripted rollouts (seeded, not trained)"
 STEPS = 3
@@ -29,7 +34,7 @@ SEEDED_REASON = (
 )
 
 
-def _rollout(*, backend, task, policy) -> tuple[object, object]:
+def _rollout(*, backend, task, policy) -> tuple[AgentResult, Reward]:
     from training.agent.config import AgentLimits
     from training.agent.loop import run_agent
     from training.tasks.reward import score_rollout

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
+from typing import Any
 
 GROUPS: tuple[tuple[str, str], ...] = (
     ("run", "Run"),
@@ -46,7 +48,7 @@ PRESETS: dict[str, dict] = {
 
 def field_group(field: dataclasses.Field) -> tuple[str, bool]:
     """(section key, advanced?) of one config field."""
-    meta = field.metadata or {}
+    meta: Mapping[str, Any] = field.metadata or {}
     group = meta.get("group")
     if group not in dict(GROUPS):
         group = next((key for key, pattern in GROUP_RULES if re.search(pattern, field.name)), "other")

@@ -134,6 +134,7 @@ def _driver_running(experiment: Experiment, watch: _Watch, *, slice_s: float) ->
     """A driver runs: ingest, stop it on request, notice its death; the outcome, or None to go on."""
     from training.rollout.run_dir import checkpointed_version
 
+    assert watch.pid is not None  # the loop calls this only while a driver runs (found alive or just launched)
     experiment_ingest(experiment=experiment)
     if checkpointed_version(experiment.run_dir) > watch.progress_at_launch:
         watch.launches_without_progress = 0

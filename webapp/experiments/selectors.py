@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from django.db.models import QuerySet
 
@@ -60,7 +61,7 @@ def experiment_steps(*, experiment: Experiment, after_step: int = 0) -> list[dic
 def experiment_dashboard_series(*, experiment: Experiment) -> dict:
     """Per-metric [step, value] series plus stage timings, the shape the dashboard plots."""
     steps = experiment_steps(experiment=experiment)
-    series = {key: [[row["step"], row.get(key)] for row in steps] for key, _ in DASHBOARD_SERIES}
+    series: dict[str, Any] = {key: [[row["step"], row.get(key)] for row in steps] for key, _ in DASHBOARD_SERIES}
     stages = sorted({stage for row in steps for stage in (row.get("stage_seconds") or {})})
     series["stage_seconds"] = {
         stage: [[row["step"], (row.get("stage_seconds") or {}).get(stage)] for row in steps]

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -20,6 +20,9 @@ from django.utils import timezone
 from webapp.core.validation import CONFLICT
 from webapp.experiments.models import RepositoryRecipe
 from webapp.mining.models import MinedTask, TaskSet
+
+if TYPE_CHECKING:
+    from sandboxes.base import SandboxLimits
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 1.0
@@ -39,7 +42,7 @@ def setup_budget():
                        setup_disk_mb=settings.REPO_SETUP_DISK_MB, test_timeout_s=settings.REPO_TEST_TIMEOUT_S)
 
 
-def recipe_snapshot_setup(*, repository_id: int | None) -> tuple[tuple[str, ...], object]:
+def recipe_snapshot_setup(*, repository_id: int | None) -> tuple[tuple[str, ...], SandboxLimits | None]:
     """(setup commands, setup limits) for a product task's snapshot: a ready recipe whose setup downloads is
     run when the snapshot is built, with the network on for that phase only; otherwise nothing (an offline
     recipe's commands run at verification, webapp.agents.verify)."""
@@ -93,7 +96,7 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
     """Detect (or take the edited recipe), install and baseline the repository; store the outcome and log."""
     from sandboxes import get_backend
     from training.tasks.autoinstall import InstallRecipe
-    from training.tasks.environment import environment_prepare
+    from training.tasks.environment import PreparedEnvironment, environment_prepare
 
     recipe_row, _ = RepositoryRecipe.objects.get_or_create(repository=repository)
     given = None
@@ -110,7 +113,7 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
         logger.exception("setup of repository %s failed", repository.pk)
         outcome = None
         failure = {"stage": "install", "reason": f"{type(error).__name__}: {error}", "output_tail": "", "log": ""}
-    if outcome is not None and hasattr(outcome, "snapshot"):
+    if isinstance(outcome, PreparedEnvironment):
         backend.snapshot_delete(snapshot=outcome.snapshot)
         fields = {"status": RepositoryRecipe.Status.READY, "recipe": outcome.recipe.as_dict(), "failure": {},
                   "log": outcome.log}
@@ -215,7 +218,7 @@ def task_set_mine(*, task_set_id: int) -> TaskSet:
     """The mining job: prepare the environment with the stored recipe, mine, store the tasks atomically."""
     from sandboxes import get_backend
     from training.tasks.autoinstall import InstallRecipe
-    from training.tasks.environment import environment_prepare
+    from training.tasks.environment import PreparedEnvironment, environment_prepare
     from training.tasks.repo_mining import MiningConfig, MiningError, mine_repository_tasks
 
     claimed = TaskSet.objects.filter(pk=task_set_id, status=TaskSet.Status.QUEUED).update(
@@ -231,7 +234,7 @@ def task_set_mine(*, task_set_id: int) -> TaskSet:
     started = time.monotonic()
     prepared = environment_prepare(backend=backend, source=_source(task_set.repository), budget=setup_budget(),
                                    recipe=recipe)
-    if not hasattr(prepared, "snapshot"):
+    if not isinstance(prepared, PreparedEnvironment):
         _finish(task_set_id, status=TaskSet.Status.FAILED,
                 status_reason=f"setup failed at the {prepared.stage} step: {prepared.reason}")
         return TaskSet.objects.get(pk=task_set_id)
