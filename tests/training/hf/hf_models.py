@@ -37,10 +37,34 @@ def family_configs() -> dict[str, object]:
         "mixtral": transformers.MixtralConfig(
             **COMMON, **MOE, intermediate_size=32, num_local_experts=4, sliding_window=None
         ),
+        **deepseek_configs(),
     }
 
 
-MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+def deepseek_configs() -> dict[str, object]:
+    """Two tiny DeepSeek-V3s: low-rank queries, interleaved rope, yarn scaling, 4 groups of 2 experts (top-2
+    groups), a dense first layer and a shared expert; and a full query projection, plain rope, no groups,
+    unnormalised gates and values wider than the query/key heads."""
+    common = {**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 96,
+              "moe_intermediate_size": 32, "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8}
+    return {
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **common, n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=12,
+            rope_interleave=True, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1},
+        ),
+        "deepseek_v3_full_q": transformers.DeepseekV3Config(
+            **common, n_routed_experts=4, n_shared_experts=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+            routed_scaling_factor=1.0, norm_topk_prob=False, q_lora_rank=None, qk_nope_head_dim=8, v_head_dim=24,
+            rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    }
+
+
+DEEPSEEK_CASES = ("deepseek_v3", "deepseek_v3_full_q")
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", *DEEPSEEK_CASES)
 ALL_FAMILIES = tuple(family_configs())
 
 
@@ -49,6 +73,10 @@ def build_hf_model(model_type: str, seed: int = 0):
     torch.manual_seed(seed)
     config = family_configs()[model_type]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # DeepSeek's expert score bias starts at zero: make it change some choices
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model.eval()
 
 

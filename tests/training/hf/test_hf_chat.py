@@ -24,6 +24,38 @@ MISTRAL_TEMPLATE = (
     "{{ call.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]"
     "{% else %}{{ message.content }}{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
 )
+# DeepSeek-V3's template (tokenizer_config.json of deepseek-ai/DeepSeek-V3), shortened: system prompts joined,
+# the tool-call and tool-output tokens, arguments concatenated as JSON text. The real one does not render
+# tool schemas; this one lists them in the system prompt (as V3.1's does) so the prompt shows them.
+DEEPSEEK_TEMPLATE = (
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}{% if tools %}\n\n## Tools\n{% for tool in tools %}"
+    "{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message['content'] is none %}"
+    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+    "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + "
+    "'<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>"
+    "<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + "
+    "'\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}"
+    "{%- set ns.is_first = true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+    "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + "
+    "'<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' not in message %}{%- if ns.is_tool %}"
+    "{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}"
+    "{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
+    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- set ns.is_output_first = false %}{%- else %}{{'\n<｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}"
+    "{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
+)
+DEEPSEEK_SPECIAL = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
@@ -42,6 +74,7 @@ def formats() -> dict[str, HFChatFormat]:
                                tool_style="hermes"),
         "mistral": HFChatFormat(template=MISTRAL_TEMPLATE, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
                                 tool_style="mistral"),
+        "deepseek": HFChatFormat(template=DEEPSEEK_TEMPLATE, special_tokens=DEEPSEEK_SPECIAL, tool_style="deepseek"),
     }
 
 
@@ -49,7 +82,7 @@ def _calls(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-@pytest.mark.parametrize("style", ["hermes", "mistral"])
+@pytest.mark.parametrize("style", ["hermes", "mistral", "deepseek"])
 def test_render_then_parse_round_trips_tool_calls(style):
     chat = formats()[style]
     prompt = chat.render(CONVERSATION, tools=TOOLS)
@@ -57,11 +90,11 @@ def test_render_then_parse_round_trips_tool_calls(style):
     completion = chat.render_assistant(CONVERSATION, REPLY, tools=TOOLS)
     content, calls = chat.parse(completion)
     assert _calls(calls) == _calls(REPLY["tool_calls"])
-    assert content == (REPLY["content"] if style == "hermes" else "")
+    assert content == ("" if style == "mistral" else REPLY["content"])
     assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
 
 
-@pytest.mark.parametrize("style", ["hermes", "mistral"])
+@pytest.mark.parametrize("style", ["hermes", "mistral", "deepseek"])
 def test_streaming_parse_equals_whole_parse_for_every_split(style):
     chat = formats()[style]
     completion = chat.render_assistant(CONVERSATION, REPLY, tools=TOOLS)
@@ -119,3 +152,61 @@ def test_from_directory_matches_transformers_apply_chat_template(tmp_path):
     tokenizer = load_tokenizer(tmp_path)
     ids = tokenizer.encode(expected, add_special_tokens=False).ids
     assert tokenizer.token_to_id("<|im_start|>") in ids and tokenizer.decode(ids, skip_special_tokens=False) == expected
+
+
+def test_deepseek_rendering_is_the_tool_call_token_syntax():
+    chat = formats()["deepseek"]
+    completion = chat.render_assistant(CONVERSATION, REPLY, tools=TOOLS)
+    assert completion == (
+        "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n"
+        '{"path": "a.py"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n'
+        '{"path": "b/\\u00fc.py", "lines": [1, 2]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'
+    )
+    # arguments given as objects are rendered as JSON text, as the template concatenates them
+    as_objects = {**REPLY, "tool_calls": [{**call, "function": {**call["function"], "arguments": {"path": "a.py"}}}
+                                          for call in REPLY["tool_calls"][:1]]}
+    assert '```json\n{"path": "a.py"}\n```' in chat.render_assistant(CONVERSATION, as_objects, tools=TOOLS)
+    prompt = chat.render([*CONVERSATION, REPLY, {"role": "tool", "content": "print(1)"}], tools=TOOLS)
+    assert prompt.endswith("<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>print(1)<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+
+
+def test_deepseek_streaming_holds_a_partial_marker():
+    stream = ToolCallStream(formats()["deepseek"])
+    assert stream.feed("Sure <｜tool▁calls") == "Sure"
+    assert stream.feed("▁begin｜><｜tool▁call▁begin｜>function") == ""
+    stream.feed('<｜tool▁sep｜>ls\n```json\n{"dir": "."}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    rest, calls = stream.finish()
+    assert rest == "" and _calls(calls) == [("ls", {"dir": "."})]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁call▁end｜>",
+     "not closed"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁calls▁end｜>",
+     "Tool call 1 is not closed"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>retrieval<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁call▁end｜>"
+     "<｜tool▁calls▁end｜>", "must start with function"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "must be a ```json block"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{x}\n```<｜tool▁call▁end｜>"
+     "<｜tool▁calls▁end｜>", "not valid JSON"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\n```json\n{}\n```<｜tool▁call▁end｜>"
+     "<｜tool▁calls▁end｜>", "needs a string \"name\""),
+    ("<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>", "holds no calls"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁call▁end｜>"
+     "<｜tool▁calls▁end｜> and more", "calls must end the turn"),
+])
+def test_malformed_deepseek_calls_are_refused(text, message):
+    with pytest.raises(HFToolCallParseError, match=message):
+        formats()["deepseek"].parse(text)
+
+
+def test_deepseek_style_is_chosen_from_template_or_tokenizer(tmp_path):
+    write_tokenizer_files(tmp_path, chat_template=DEEPSEEK_TEMPLATE)
+    assert HFChatFormat.from_directory(tmp_path).tool_style == "deepseek"
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    reference.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # shows no tool syntax
+    reference.add_special_tokens({"additional_special_tokens": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"]})
+    reference.save_pretrained(tmp_path)
+    assert HFChatFormat.from_directory(tmp_path).tool_style == "deepseek"

@@ -44,7 +44,8 @@ def test_grpo_step_with_routing_replay_lowers_loss_and_exports(hf_checkpoints, m
     # routing replay: the learner's forward reproduces the sampler's logprobs
     torch.testing.assert_close(logprobs[:, len(prompt) - 1:].detach(), behaviour, atol=1e-4, rtol=0)
     loss.backward()
-    router = model.layers[0].feed_forward.router.weight
+    first_moe = model.config.first_dense_layers
+    router = model.layers[first_moe].feed_forward.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
     optimizer.step()
     optimizer.zero_grad()
