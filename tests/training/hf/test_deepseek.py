@@ -109,3 +109,35 @@ def test_multi_token_prediction_layers_are_skipped(hf_checkpoints, tmp_path):
         expected = reference(input_ids=ids, attention_mask=mask).logits
         ours = model(ids, compute_router_losses=False).logits
     torch.testing.assert_close(ours[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=0)
+
+
+def test_router_losses_and_replay_shape_with_dense_layers(hf_checkpoints):
+    """Training forward: finite router losses over the MoE layers only; a replay tensor must have one entry per
+    MoE layer (not per layer), and the message says so."""
+    model, _, _ = load_hf_model(hf_checkpoints["deepseek_v3"][0], dtype=torch.float32)
+    ids, _ = padded_batch(model.config.vocab_size)
+    out = model(ids, return_routing=True)
+    assert torch.isfinite(out.load_balancing_loss) and out.load_balancing_loss > 0
+    assert torch.isfinite(out.router_z_loss) and out.router_z_loss > 0
+    per_layer = torch.zeros(*ids.shape, model.config.n_layers, model.config.top_k, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"expected \(3, 11, 2, 2\) = \(batch, seq_len, MoE layers, top_k\)"):
+        model(ids, routing_override=per_layer)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"n_kv_heads": 2}, "n_kv_heads must equal n_heads=4"),
+    ({"kv_lora_rank": 0}, "needs kv_lora_rank > 0"),
+    ({"qk_rope_head_dim": 7}, "rotary width 7"),
+    ({"qk_norm": "head"}, "has no qk_norm"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor must be finite"),
+    ({"n_expert_groups": 8, "top_k_groups": 2}, "each group needs >= 2 experts"),
+])
+def test_model_config_refuses_inconsistent_mla_and_router_fields(fields, message):
+    from training.model.config import ModelConfig, ModelConfigError
+
+    base = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_kv_heads": 4, "attention": "mla", "kv_lora_rank": 8,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_experts": 8, "top_k": 2,
+            "router_score": "sigmoid", "n_expert_groups": 4, "top_k_groups": 2}
+    ModelConfig(**base)
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig(**{**base, **fields})
