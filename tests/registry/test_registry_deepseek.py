@@ -72,3 +72,41 @@ def test_import_refuses_an_fp8_deepseek_naming_the_option(db, deepseek_dir, mode
     with pytest.raises(CommandError, match="quantization_config"):
         call_command("import_model", str(source), "--name", "fp8")
     assert not RegisteredModel.objects.exists()
+
+
+def test_served_deepseek_parses_its_tool_call_tokens(tmp_path):
+    """HFChatModel on a DeepSeek-V3 directory with DeepSeek's template and special tokens: the tool calls it would
+    generate come back as OpenAI tool_calls, and streamed content stops at the tool-call token."""
+    from tests.training.hf.hf_models import DEEPSEEK_TEMPLATE, write_tokenizer_files
+    from training.engine import GenerationResult
+    from training.hf.serving import HFChatModel
+
+    directory = tmp_path / "deepseek-chat"
+    save_hf_directory("deepseek_v3", directory)
+    write_tokenizer_files(directory, DEEPSEEK_TEMPLATE, deepseek=True)
+    # the tiny config keeps DeepSeek's ids (bos 0, eos 1), which are byte tokens of this tokenizer: point them at
+    # its own special tokens, as a real checkpoint's are
+    specials = {t["content"]: t["id"] for t in json.loads((directory / "tokenizer.json").read_text())["added_tokens"]}
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((directory / name).read_text())
+        config.update(bos_token_id=specials["<｜begin▁of▁sentence｜>"], eos_token_id=specials["<｜end▁of▁sentence｜>"])
+        (directory / name).write_text(json.dumps(config))
+    chat_model = HFChatModel(directory, name="deepseek-chat")
+    try:
+        assert chat_model.chat.tool_style == "deepseek"
+        tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+        reply = {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "read_file", "arguments": json.dumps({"path": "a.py"})}}]}
+        messages = [{"role": "user", "content": "read a.py"}]
+        ids = chat_model.hf_tokenizer.encode(chat_model.chat.render_assistant(messages, reply, tools=tools),
+                                             add_special_tokens=False).ids
+        assert chat_model.hf_tokenizer.token_to_id("<｜tool▁calls▁begin｜>") in ids and ids[-1] in chat_model.stop_ids
+        assert chat_model._visible_content(ids) == "Looking."
+        prompt = chat_model._prompt_ids(messages, tools)
+        completion = chat_model._completion(GenerationResult(0, prompt, ids, [0.0] * len(ids), "stop", None))
+        assert completion.finish_reason == "tool_calls" and completion.parse_error is None
+        assert completion.content == "Looking."
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in completion.tool_calls] == [
+            ("read_file", {"path": "a.py"})]
+    finally:
+        chat_model.close()

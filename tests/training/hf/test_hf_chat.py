@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from tests.training.hf.hf_models import QWEN_TEMPLATE, write_tokenizer_files
+from tests.training.hf.hf_models import (
+    DEEPSEEK_SPECIAL,
+    DEEPSEEK_TEMPLATE,
+    QWEN_TEMPLATE,
+    write_tokenizer_files,
+)
 from training.hf.chat import (
     HFChatFormat,
     HFToolCallParseError,
@@ -24,38 +29,6 @@ MISTRAL_TEMPLATE = (
     "{{ call.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]"
     "{% else %}{{ message.content }}{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
 )
-# DeepSeek-V3's template (tokenizer_config.json of deepseek-ai/DeepSeek-V3), shortened: system prompts joined,
-# the tool-call and tool-output tokens, arguments concatenated as JSON text. The real one does not render
-# tool schemas; this one lists them in the system prompt (as V3.1's does) so the prompt shows them.
-DEEPSEEK_TEMPLATE = (
-    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
-    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
-    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
-    "{{ bos_token }}{{ ns.system_prompt }}{% if tools %}\n\n## Tools\n{% for tool in tools %}"
-    "{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
-    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
-    "{{'<｜User｜>' + message['content']}}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns.is_tool = false -%}"
-    "{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message['content'] is none %}"
-    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
-    "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + "
-    "'<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>"
-    "<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + "
-    "'\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}"
-    "{%- set ns.is_first = true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
-    "tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + "
-    "'<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and 'tool_calls' not in message %}{%- if ns.is_tool %}"
-    "{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}"
-    "{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
-    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
-    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
-    "{%- set ns.is_output_first = false %}{%- else %}{{'\n<｜tool▁output▁begin｜>' + message['content'] + "
-    "'<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}"
-    "{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
-    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
-)
-DEEPSEEK_SPECIAL = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
