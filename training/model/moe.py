@@ -80,40 +80,8 @@ class MoEFeedForward(nn.Module):
     def route(
         self, router_logits: torch.Tensor, routing_override: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate weights [N, top_k], expert ids [N, top_k], per-token expert probabilities [N, n_experts] for the
-        load-balancing loss) from fp32 router logits; routing_override replaces the choice, not the weights."""
-        config = self.config
-        if config.router_score == "softmax":
-            scores = probabilities = router_logits.softmax(dim=-1)
-        else:
-            scores = router_logits.sigmoid()
-            probabilities = scores / scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
-        if routing_override is None:
-            choice = scores if self.score_bias is None else scores + self.score_bias.float()
-            if config.n_expert_groups > 1:
-                choice = limit_to_groups(choice, config.n_expert_groups, config.top_k_groups)
-            expert_indices = choice.topk(config.top_k, dim=-1).indices
-        else:
-            if routing_override.shape != (router_logits.shape[0], config.top_k):
-                raise ValueError(
-                    f"routing_override for this layer has shape {tuple(routing_override.shape)}, "
-                    f"expected ({router_logits.shape[0]}, {config.top_k}) = (tokens, top_k)."
-                )
-            expert_indices = routing_override.to(device=router_logits.device, dtype=torch.long)
-            if expert_indices.numel() and (expert_indices.min() < 0 or expert_indices.max() >= config.n_experts):
-                raise ValueError(f"routing_override holds expert ids outside [0, {config.n_experts}).")
-        weights = scores.gather(1, expert_indices)
-        if config.normalize_top_k_weights:
-            total = weights.sum(dim=-1, keepdim=True)
-            if config.router_score == "sigmoid":
-                total = total + 1e-20  # as DeepSeek-V3's router
-            elif routing_override is not None:
-                # replayed experts may all have underflowed probabilities; router picks never do
-                total = total.clamp_min(torch.finfo(total.dtype).tiny)
-            weights = weights / total
-        if config.routed_scaling_factor != 1.0:
-            weights = weights * config.routed_scaling_factor
-        return weights, expert_indices, probabilities
+        """route_tokens with this layer's config and score bias."""
+        return route_tokens(self.config, router_logits, routing_override, score_bias=self.score_bias)
 
     def forward(
         self, x: torch.Tensor, *, routing_override: torch.Tensor | None = None, compute_losses: bool = True
@@ -161,6 +129,45 @@ class MoEFeedForward(nn.Module):
         dense_weights = torch.zeros(x.shape[0], self.config.n_experts, dtype=x.dtype, device=x.device)
         dense_weights.scatter_(1, expert_indices, weights.to(x.dtype))
         return (expert_out * dense_weights.t().unsqueeze(-1)).sum(dim=0)
+
+
+def route_tokens(
+    config: ModelConfig, router_logits: torch.Tensor, routing_override: torch.Tensor | None,
+    *, score_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate weights [N, top_k], expert ids [N, top_k], per-token expert probabilities [N, n_experts] for the
+    load-balancing loss) from fp32 router logits; routing_override replaces the choice, not the weights."""
+    if config.router_score == "softmax":
+        scores = probabilities = router_logits.softmax(dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+        probabilities = scores / scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    if routing_override is None:
+        choice = scores if score_bias is None else scores + score_bias.float()
+        if config.n_expert_groups > 1:
+            choice = limit_to_groups(choice, config.n_expert_groups, config.top_k_groups)
+        expert_indices = choice.topk(config.top_k, dim=-1).indices
+    else:
+        if routing_override.shape != (router_logits.shape[0], config.top_k):
+            raise ValueError(
+                f"routing_override for this layer has shape {tuple(routing_override.shape)}, "
+                f"expected ({router_logits.shape[0]}, {config.top_k}) = (tokens, top_k)."
+            )
+        expert_indices = routing_override.to(device=router_logits.device, dtype=torch.long)
+        if expert_indices.numel() and (expert_indices.min() < 0 or expert_indices.max() >= config.n_experts):
+            raise ValueError(f"routing_override holds expert ids outside [0, {config.n_experts}).")
+    weights = scores.gather(1, expert_indices)
+    if config.normalize_top_k_weights:
+        total = weights.sum(dim=-1, keepdim=True)
+        if config.router_score == "sigmoid":
+            total = total + 1e-20  # as DeepSeek-V3's router
+        elif routing_override is not None:
+            # replayed experts may all have underflowed probabilities; router picks never do
+            total = total.clamp_min(torch.finfo(total.dtype).tiny)
+        weights = weights / total
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    return weights, expert_indices, probabilities
 
 
 def limit_to_groups(choice: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:
