@@ -6,7 +6,7 @@ controls, `tojson`, `raise_exception`, `strftime_now`), so a hostile template ca
 objects nor mutate the messages. Generated text is split into content and OpenAI `tool_calls` by the
 family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, or
 DeepSeek-V3's tool-call tokens (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
-a ```json block, `<｜tool▁call▁end｜>`, ... `<｜tool▁calls▁end｜>`).
+a ```json block, `<｜tool▁call▁end｜>`, ... `<｜tool▁calls▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too).
 """
 
 from __future__ import annotations
@@ -241,18 +241,27 @@ def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
             raise HFToolCallParseError(f"Tool call {number} is not closed with {DEEPSEEK_CALL_END}.", text=text)
         if between.strip():
             raise HFToolCallParseError("Text between or after tool calls; calls must end the turn.", text=text)
-        kind, separated, spec = inner.partition(DEEPSEEK_SEP)
-        if not separated or kind.strip() != "function":
-            raise HFToolCallParseError(f"Tool call {number} must start with function{DEEPSEEK_SEP}NAME.", text=text)
-        name, _, arguments = spec.partition("\n")
-        arguments = arguments.strip()
-        if not (arguments.startswith(JSON_FENCE) and arguments.endswith(FENCE_END) and len(arguments) > 10):
-            raise HFToolCallParseError(f"Tool call {number} arguments must be a ```json block.", text=text)
-        payload = _load_json(arguments[len(JSON_FENCE):-len(FENCE_END)], number, text)
-        calls.append(_openai_call(name.strip(), payload, number, text))
+        calls.append(_deepseek_call(inner, number, text))
     if not calls:
         raise HFToolCallParseError(f"{DEEPSEEK_START} holds no calls.", text=text)
     return content.rstrip(), calls
+
+
+def _deepseek_call(inner: str, number: int, text: str) -> dict[str, Any]:
+    """One call between the call tokens: V3's `function<｜tool▁sep｜>NAME\n```json\n{...}\n```` or V3.1's
+    `NAME<｜tool▁sep｜>{...}` (no type, no fence)."""
+    kind, separated, spec = inner.partition(DEEPSEEK_SEP)
+    if not separated:
+        raise HFToolCallParseError(f"Tool call {number} lacks {DEEPSEEK_SEP} between its name and arguments.",
+                                   text=text)
+    if kind.strip() != "function" or spec.lstrip().startswith("{"):  # V3.1: the name, then the JSON object
+        return _openai_call(kind.strip(), _load_json(spec, number, text), number, text)
+    name, _, arguments = spec.partition("\n")
+    arguments = arguments.strip()
+    if not (arguments.startswith(JSON_FENCE) and arguments.endswith(FENCE_END) and len(arguments) > 10):
+        raise HFToolCallParseError(f"Tool call {number} arguments must be a ```json block.", text=text)
+    payload = _load_json(arguments[len(JSON_FENCE):-len(FENCE_END)], number, text)
+    return _openai_call(name.strip(), payload, number, text)
 
 
 class ToolCallStream:

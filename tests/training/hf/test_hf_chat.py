@@ -158,7 +158,11 @@ def test_deepseek_streaming_holds_a_partial_marker():
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁calls▁end｜>",
      "Tool call 1 is not closed"),
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>retrieval<｜tool▁sep｜>a\n```json\n{}\n```<｜tool▁call▁end｜>"
-     "<｜tool▁calls▁end｜>", "must start with function"),
+     "<｜tool▁calls▁end｜>", "not valid JSON"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function a\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "lacks <｜tool▁sep｜>"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>[1]<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "must be a JSON object"),
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
      "must be a ```json block"),
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{x}\n```<｜tool▁call▁end｜>"
@@ -183,3 +187,11 @@ def test_deepseek_style_is_chosen_from_template_or_tokenizer(tmp_path):
     reference.add_special_tokens({"additional_special_tokens": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"]})
     reference.save_pretrained(tmp_path)
     assert HFChatFormat.from_directory(tmp_path).tool_style == "deepseek"
+
+
+def test_deepseek_v31_calls_without_type_and_fence_are_parsed():
+    """DeepSeek-V3.1 writes `NAME<｜tool▁sep｜>{json}` between the same tokens; both layouts parse."""
+    text = ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{"path": "a.py"}<｜tool▁call▁end｜>'
+            '<｜tool▁call▁begin｜>function<｜tool▁sep｜>{"x": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+    content, calls = formats()["deepseek"].parse(text)
+    assert content == "Checking." and _calls(calls) == [("read_file", {"path": "a.py"}), ("function", {"x": 1})]
