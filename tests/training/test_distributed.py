@@ -34,25 +34,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _reference_layer() -> tuple[MoEFeedForward, torch.Tensor]:
+# DeepSeek-V3's router (an imported deepseek_v3 model): sigmoid scores, a choice-only bias, 2 groups of 2
+# experts of which a token may use 1, scaled gates, and a shared expert replicated on every rank.
+DEEPSEEK_ROUTER = {"router_score": "sigmoid", "router_score_bias": True, "n_expert_groups": 2, "top_k_groups": 1,
+                   "routed_scaling_factor": 2.5, "n_shared_experts": 1}
+
+
+def _reference_layer(router: str = "softmax") -> tuple[MoEFeedForward, torch.Tensor]:
     torch.manual_seed(3)
-    config = ModelConfig.named("tiny", n_experts=4, top_k=2, d_model=32, d_ff_expert=48, n_heads=4, n_kv_heads=2)
+    extra = DEEPSEEK_ROUTER if router == "deepseek" else {}
+    config = ModelConfig.named(
+        "tiny", n_experts=4, top_k=2, d_model=32, d_ff_expert=48, n_heads=4, n_kv_heads=2, **extra
+    )
     layer = MoEFeedForward(config)
     layer.reset_parameters(std=0.2, output_std=0.2)
+    if layer.score_bias is not None:
+        layer.score_bias.normal_(0.0, 0.1)
     tokens = torch.randn(2 * 13, config.d_model)
     return layer, tokens
 
 
-def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
+def _expert_parallel_worker(rank: int, port: int, out_dir: str, router: str = "softmax") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        layer, tokens = _reference_layer()
+        layer, tokens = _reference_layer(router)
         sharded = ExpertParallelFeedForward(layer, context=DistributedContext(rank=rank, world_size=WORLD))
         local = tokens.chunk(WORLD)[rank].clone().requires_grad_()
-        out, router = sharded(local)
-        (out.square().sum() + router.load_balancing_loss).backward()
+        out, routed = sharded(local)
+        (out.square().sum() + routed.load_balancing_loss).backward()
         torch.save(
             {
                 "out": out.detach(),
@@ -60,7 +71,8 @@ def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
                 "w_gate_grad": sharded.w_gate.grad,
                 "w_down_grad": sharded.w_down.grad,
                 "router_grad": sharded.router.weight.grad,
-                "load_balancing": router.load_balancing_loss.detach(),
+                "shared_grad": None if sharded.shared_experts is None else sharded.shared_experts.w_up.weight.grad,
+                "load_balancing": routed.load_balancing_loss.detach(),
             },
             Path(out_dir) / f"rank{rank}.pt",
         )
@@ -68,20 +80,21 @@ def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_layer_matches_single_process(tmp_path):
-    mp.spawn(_expert_parallel_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("router", ["softmax", "deepseek"])
+def test_expert_parallel_layer_matches_single_process(tmp_path, router):
+    mp.spawn(_expert_parallel_worker, args=(_free_port(), str(tmp_path), router), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
 
     # Single process: the full layer sees each rank's tokens as its own micro-batch.
-    layer, tokens = _reference_layer()
+    layer, tokens = _reference_layer(router)
     outputs, input_grads = [], []
     for chunk in tokens.chunk(WORLD):
         local = chunk.clone().requires_grad_()
-        out, router = layer(local)
-        (out.square().sum() + router.load_balancing_loss).backward()
+        out, routed = layer(local)
+        (out.square().sum() + routed.load_balancing_loss).backward()
         outputs.append(out.detach())
         input_grads.append(local.grad)
-        assert router.load_balancing_loss.item() == pytest.approx(
+        assert routed.load_balancing_loss.item() == pytest.approx(
             ranks[len(outputs) - 1]["load_balancing"].item(), abs=1e-6
         )
     # Gradients sum token and expert contributions in a different order on two ranks than in one
@@ -93,11 +106,17 @@ def test_expert_parallel_layer_matches_single_process(tmp_path):
         torch.testing.assert_close(ranks[rank]["input_grad"], input_grads[rank], atol=1e-5, rtol=1e-5)
     # Each rank owns half the experts and got the gradient from both ranks' tokens.
     half = layer.config.n_experts // WORLD
-    torch.testing.assert_close(torch.cat([r["w_gate_grad"] for r in ranks]), layer.w_gate.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat([r["w_down_grad"] for r in ranks]), layer.w_down.grad, atol=1e-5, rtol=1e-5)
+    # DeepSeek's gates are scaled 2.5x and a shared expert adds to every output, so the squared loss's expert
+    # gradients are larger and a few entries that cancel differ by ~5e-5; a wrong routing is off by units.
+    expert_atol = 1e-4 if router == "deepseek" else 1e-5
+    torch.testing.assert_close(torch.cat([r["w_gate_grad"] for r in ranks]), layer.w_gate.grad, atol=expert_atol, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([r["w_down_grad"] for r in ranks]), layer.w_down.grad, atol=expert_atol, rtol=1e-5)
     assert ranks[0]["w_gate_grad"].shape[0] == half
     # The replicated router's gradients sum (over ranks, as DDP will) to the single-process gradient.
     torch.testing.assert_close(ranks[0]["router_grad"] + ranks[1]["router_grad"], layer.router.weight.grad, atol=1e-5, rtol=1e-5)
+    if layer.shared_experts is not None:
+        torch.testing.assert_close(ranks[0]["shared_grad"] + ranks[1]["shared_grad"],
+                                   layer.shared_experts.w_up.weight.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_expert_parallel_rejects_indivisible_expert_count():

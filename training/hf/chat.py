@@ -4,7 +4,9 @@ Messages and tool schemas are rendered with the template from tokenizer_config.j
 ImmutableSandboxedEnvironment, configured as transformers does (trim_blocks, lstrip_blocks, loop
 controls, `tojson`, `raise_exception`, `strftime_now`), so a hostile template can neither reach Python
 objects nor mutate the messages. Generated text is split into content and OpenAI `tool_calls` by the
-family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks or Mistral `[TOOL_CALLS][...]`.
+family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, or
+DeepSeek-V3's tool-call tokens (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
+a ```json block, `<｜tool▁call▁end｜>`, ... `<｜tool▁calls▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from training.hf.directory import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_chat_template
 
-ToolStyle = Literal["hermes", "mistral", "none"]
+ToolStyle = Literal["hermes", "mistral", "deepseek", "none"]
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 MISTRAL_START = "[TOOL_CALLS]"
+DEEPSEEK_START, DEEPSEEK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_START, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+JSON_FENCE, FENCE_END = "```json", "```"
 
 
 class TemplateRenderError(ValueError):
@@ -60,24 +65,41 @@ def sandboxed_template(source: str):
     return environment.from_string(source)
 
 
-def tool_style_of(template: str) -> ToolStyle:
-    """The tool-call syntax a template writes: Hermes/Qwen blocks, Mistral's marker, or none."""
-    if HERMES_START in template:
-        return "hermes"
-    if MISTRAL_START in template:
-        return "mistral"
+def tool_style_of(template: str, special_tokens: Sequence[str] = ()) -> ToolStyle:
+    """The tool-call syntax a template writes (Hermes/Qwen blocks, Mistral's marker, DeepSeek's tool-call
+    tokens) or, when the template shows none, the one whose marker is a special token of the tokenizer."""
+    for marker, style in ((HERMES_START, "hermes"), (MISTRAL_START, "mistral"), (DEEPSEEK_START, "deepseek")):
+        if marker in template:
+            return style
+    for marker, style in ((DEEPSEEK_START, "deepseek"), (MISTRAL_START, "mistral"), (HERMES_START, "hermes")):
+        if marker in special_tokens:
+            return style
     return "none"
 
 
-def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages as templates expect them: tool-call arguments as objects, not JSON strings."""
+def _added_tokens(directory: Path) -> list[str]:
+    """The special tokens tokenizer.json adds to its vocabulary ([] when it lists none or is unreadable here;
+    the tokenizer loader reports a broken file)."""
+    try:
+        added = json.loads((directory / TOKENIZER_FILE).read_text()).get("added_tokens")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(token.get("content")) for token in added if isinstance(token, dict)] if isinstance(added, list) else []
+
+
+def _template_messages(messages: Sequence[dict[str, Any]], *, arguments_as_text: bool) -> list[dict[str, Any]]:
+    """OpenAI messages as templates expect them: tool-call arguments as objects (templates that `tojson`
+    them), or as JSON text for templates that concatenate them (DeepSeek's)."""
     converted = copy.deepcopy(list(messages))
     for message in converted:
         for call in message.get("tool_calls") or ():
             function = call.get("function", {})
-            if isinstance(function.get("arguments"), str):
+            arguments = function.get("arguments")
+            if arguments_as_text and not isinstance(arguments, str) and arguments is not None:
+                function["arguments"] = json.dumps(arguments, ensure_ascii=False)
+            elif not arguments_as_text and isinstance(arguments, str):
                 with contextlib.suppress(ValueError):  # left as text: the template shows what the caller sent
-                    function["arguments"] = json.loads(function["arguments"])
+                    function["arguments"] = json.loads(arguments)
     return converted
 
 
@@ -112,7 +134,8 @@ class HFChatFormat:
                 value = value.get("content")
             if isinstance(value, str):
                 special[key] = value
-        return cls(template=template, special_tokens=special, tool_style=tool_style_of(template))
+        return cls(template=template, special_tokens=special,
+                   tool_style=tool_style_of(template, _added_tokens(directory)))
 
     def render(
         self,
@@ -124,7 +147,7 @@ class HFChatFormat:
         """The prompt text of `messages` (OpenAI format) and tool schemas, by the model's template."""
         try:
             return self._compiled.render(
-                messages=_template_messages(messages), tools=list(tools) if tools else None,
+                messages=_template_messages(messages, arguments_as_text=self.tool_style == "deepseek"), tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except TemplateError as error:
@@ -196,7 +219,49 @@ def parse_tool_calls(text: str, style: ToolStyle) -> tuple[str, list[dict[str, A
         if not calls:
             raise HFToolCallParseError("[TOOL_CALLS] holds no calls.", text=text)
         return content.rstrip(), calls
+    if style == "deepseek" and DEEPSEEK_START in text:
+        return _parse_deepseek(text)
     return text, []
+
+
+def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """DeepSeek-V3's tool-call tokens: each call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}
+    \n```<｜tool▁call▁end｜>`, all of them between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`."""
+    content, _, rest = text.partition(DEEPSEEK_START)
+    body, closed, trailing = rest.partition(DEEPSEEK_END)
+    if not closed:
+        raise HFToolCallParseError(f"The tool calls are not closed with {DEEPSEEK_END}.", text=text)
+    blocks = body.split(DEEPSEEK_CALL_START)
+    if trailing.strip() or blocks[0].strip():
+        raise HFToolCallParseError("Text between or after tool calls; calls must end the turn.", text=text)
+    calls = []
+    for number, block in enumerate(blocks[1:], start=1):
+        inner, call_closed, between = block.partition(DEEPSEEK_CALL_END)
+        if not call_closed:
+            raise HFToolCallParseError(f"Tool call {number} is not closed with {DEEPSEEK_CALL_END}.", text=text)
+        if between.strip():
+            raise HFToolCallParseError("Text between or after tool calls; calls must end the turn.", text=text)
+        calls.append(_deepseek_call(inner, number, text))
+    if not calls:
+        raise HFToolCallParseError(f"{DEEPSEEK_START} holds no calls.", text=text)
+    return content.rstrip(), calls
+
+
+def _deepseek_call(inner: str, number: int, text: str) -> dict[str, Any]:
+    """One call between the call tokens: V3's `function<｜tool▁sep｜>NAME\n```json\n{...}\n```` or V3.1's
+    `NAME<｜tool▁sep｜>{...}` (no type, no fence)."""
+    kind, separated, spec = inner.partition(DEEPSEEK_SEP)
+    if not separated:
+        raise HFToolCallParseError(f"Tool call {number} lacks {DEEPSEEK_SEP} between its name and arguments.",
+                                   text=text)
+    if kind.strip() != "function" or spec.lstrip().startswith("{"):  # V3.1: the name, then the JSON object
+        return _openai_call(kind.strip(), _load_json(spec, number, text), number, text)
+    name, _, arguments = spec.partition("\n")
+    arguments = arguments.strip()
+    if not (arguments.startswith(JSON_FENCE) and arguments.endswith(FENCE_END) and len(arguments) > 10):
+        raise HFToolCallParseError(f"Tool call {number} arguments must be a ```json block.", text=text)
+    payload = _load_json(arguments[len(JSON_FENCE):-len(FENCE_END)], number, text)
+    return _openai_call(name.strip(), payload, number, text)
 
 
 class ToolCallStream:
@@ -209,7 +274,8 @@ class ToolCallStream:
 
     def __init__(self, chat: HFChatFormat) -> None:
         self.chat = chat
-        self.marker = {"hermes": HERMES_START, "mistral": MISTRAL_START}.get(chat.tool_style)
+        self.marker = {"hermes": HERMES_START, "mistral": MISTRAL_START, "deepseek": DEEPSEEK_START}.get(
+            chat.tool_style)
         self.text = ""
         self.sent = 0
         self.in_calls = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from training.hf.deepseek import DeepSeekConfigError, deepseek_fields
 from training.model.config import ModelConfig, ModelConfigError
 
 
@@ -61,6 +62,8 @@ FAMILIES: dict[str, Family] = {
         "mixtral", moe=True, moe_module="block_sparse_moe", expert_names=("w1", "w3", "w2"),
         always_normalize=True, experts_key="num_local_experts", expert_width_key="intermediate_size",
     ),
+    # multi-head latent attention, sigmoid group-limited routing, shared experts: training/hf/deepseek.py
+    "deepseek_v3": Family("deepseek_v3", moe=True, experts_key="n_routed_experts"),
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -148,6 +151,10 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             )
         else:
             fields.update(feed_forward="dense", d_ff_dense=int(hf_config["intermediate_size"]))
+        if family.model_type == "deepseek_v3":
+            fields.update(deepseek_fields(hf_config))
+    except DeepSeekConfigError as error:
+        raise UnsupportedModelError(str(error)) from error
     except KeyError as error:
         raise UnsupportedModelError(
             f"config.json of model_type={family.model_type!r} lacks the key {error.args[0]!r}."

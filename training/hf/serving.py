@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from training.engine import EngineConfig, GenerationResult
-from training.hf.chat import HERMES_START, MISTRAL_START, HFChatFormat, HFToolCallParseError, load_tokenizer
+from training.hf.chat import (
+    DEEPSEEK_START,
+    HERMES_START,
+    MISTRAL_START,
+    HFChatFormat,
+    HFToolCallParseError,
+    load_tokenizer,
+)
 from training.hf.directory import GENERATION_CONFIG_FILE
 from training.hf.loading import CONFIG_FILE, load_hf_model
 from training.serving import ChatCompletion, ChatModel
@@ -78,7 +85,7 @@ class HFChatModel(ChatModel):
 
     def _visible_content(self, token_ids: list[int]) -> str:
         text = self._decode(token_ids)
-        for marker in (HERMES_START, MISTRAL_START):
+        for marker in (HERMES_START, MISTRAL_START, DEEPSEEK_START):
             text = text.split(marker, 1)[0]
         return text
 

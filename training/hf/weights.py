@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from training.hf.deepseek import MODEL_TYPE, attention_tensors, is_extra_layer
 from training.hf.families import Family
 from training.model.config import ModelConfig
 from training.model.transformer import MoETransformer
@@ -53,25 +54,42 @@ def tensor_map(config: ModelConfig, family: Family) -> dict[str, Target]:
         hf, ours = f"model.layers.{layer}", f"layers.{layer}"
         names[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.attention_norm.weight")
         names[f"{hf}.post_attention_layernorm.weight"] = Target(f"{ours}.ffn_norm.weight")
-        for hf_name, our_name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
-            names[f"{hf}.self_attn.{hf_name}.weight"] = Target(f"{ours}.attention.{our_name}.weight")
-            has_bias = config.output_bias if hf_name == "o_proj" else config.qkv_bias
-            if has_bias:
-                names[f"{hf}.self_attn.{hf_name}.bias"] = Target(f"{ours}.attention.{our_name}.bias")
-        if config.qk_norm != "none":
-            names[f"{hf}.self_attn.q_norm.weight"] = Target(f"{ours}.attention.q_norm.weight")
-            names[f"{hf}.self_attn.k_norm.weight"] = Target(f"{ours}.attention.k_norm.weight")
-        if not config.is_moe:
+        if config.attention == "mla":
+            names.update({hf_name: Target(our) for hf_name, our in attention_tensors(config, hf, ours).items()})
+        else:
+            names.update(_attention_map(config, hf, ours))
+        if not config.is_moe_layer(layer):
             for hf_name, our_name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
                 names[f"{hf}.mlp.{hf_name}.weight"] = Target(f"{ours}.feed_forward.{our_name}.weight")
             continue
-        moe = f"{hf}.{family.moe_module}"
-        names[f"{moe}.gate.weight"] = Target(f"{ours}.feed_forward.router.weight")
-        for expert in range(config.n_experts):
-            for hf_name, our_name in zip(family.expert_names, ("w_gate", "w_up", "w_down"), strict=True):
-                names[f"{moe}.experts.{expert}.{hf_name}.weight"] = Target(
-                    f"{ours}.feed_forward.{our_name}", expert=expert, transpose=True
-                )
+        names.update(_moe_map(config, family, f"{hf}.{family.moe_module}", f"{ours}.feed_forward"))
+    return names
+
+
+def _attention_map(config: ModelConfig, hf: str, ours: str) -> dict[str, Target]:
+    """One layer's grouped-query attention tensors (projections, biases, qk-norms)."""
+    names = {}
+    for hf_name, our_name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+        names[f"{hf}.self_attn.{hf_name}.weight"] = Target(f"{ours}.attention.{our_name}.weight")
+        if config.output_bias if hf_name == "o_proj" else config.qkv_bias:
+            names[f"{hf}.self_attn.{hf_name}.bias"] = Target(f"{ours}.attention.{our_name}.bias")
+    if config.qk_norm != "none":
+        names[f"{hf}.self_attn.q_norm.weight"] = Target(f"{ours}.attention.q_norm.weight")
+        names[f"{hf}.self_attn.k_norm.weight"] = Target(f"{ours}.attention.k_norm.weight")
+    return names
+
+
+def _moe_map(config: ModelConfig, family: Family, moe: str, ours: str) -> dict[str, Target]:
+    """One MoE layer's router, score bias, routed experts (slices of the stacked parameters) and shared experts."""
+    names = {f"{moe}.gate.weight": Target(f"{ours}.router.weight")}
+    if config.router_score_bias:
+        names[f"{moe}.gate.e_score_correction_bias"] = Target(f"{ours}.score_bias")
+    for expert in range(config.n_experts):
+        for hf_name, our_name in zip(family.expert_names, ("w_gate", "w_up", "w_down"), strict=True):
+            names[f"{moe}.experts.{expert}.{hf_name}.weight"] = Target(f"{ours}.{our_name}", expert=expert, transpose=True)
+    if config.n_shared_experts:
+        for hf_name, our_name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            names[f"{moe}.shared_experts.{hf_name}.weight"] = Target(f"{ours}.shared_experts.{our_name}.weight")
     return names
 
 
@@ -117,7 +135,7 @@ def load_weights(model: MoETransformer, directory: Path, family: Family) -> None
             try:
                 with safe_open(str(path), framework="pt") as shard:
                     for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        _load_tensor(shard, name, targets, parameters, family)
+                        _load_tensor(shard, name, targets, parameters, family, model.config)
                         seen.add(name)
             except SafetensorError as error:
                 raise WeightsError(f"{path.name} is not a readable safetensors file: {error}") from error
@@ -127,11 +145,15 @@ def load_weights(model: MoETransformer, directory: Path, family: Family) -> None
         raise WeightsError(f"The checkpoint lacks tensor(s) {', '.join(missing[:5])}{more}.")
 
 
-def _load_tensor(shard, name: str, targets: dict[str, Target], parameters: dict, family: Family) -> None:
+def _load_tensor(
+    shard, name: str, targets: dict[str, Target], parameters: dict, family: Family, config: ModelConfig
+) -> None:
     target = targets.get(name)
     if target is None:
         if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
             return  # a tied model's (identical) output matrix; older checkpoints' rotary buffers
+        if family.model_type == MODEL_TYPE and is_extra_layer(name, config):
+            return  # DeepSeek-V3's multi-token-prediction layers, which the model does not run
         raise WeightsError(f"The checkpoint holds tensor {name!r}, which a {family.model_type} model of this "
                            "config does not have.")
     destination = _destination(parameters, target)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -15,9 +16,13 @@ from typing import Any, Literal
 Precision = Literal["fp32", "bf16", "mxfp8"]
 FeedForwardKind = Literal["moe", "dense"]
 QKNorm = Literal["none", "head", "full"]
+AttentionKind = Literal["gqa", "mla"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 QK_NORMS: tuple[str, ...] = ("none", "head", "full")
-ROPE_SCALING_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+ROPE_SCALING_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
+ROUTER_SCORES: tuple[str, ...] = ("softmax", "sigmoid")
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "mxfp8")
 FEED_FORWARD_KINDS: tuple[str, ...] = ("moe", "dense")
@@ -104,19 +109,80 @@ class ModelConfig:
     clip_qkv: float | None = None
     """Clamp query, key and value projections to [-clip_qkv, clip_qkv] (OLMoE's option)."""
 
+    attention: AttentionKind = "gqa"
+    """"gqa": grouped-query attention; "mla": DeepSeek's multi-head latent attention (the mla_* fields)."""
+
+    q_lora_rank: int | None = None
+    """MLA: rank of the low-rank query projection (None: one full query projection)."""
+
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent."""
+
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without the rotary embedding."""
+
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width with the rotary embedding (the key part is shared by all heads)."""
+
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
+
+    rope_interleave: bool = False
+    """MLA: the rotary part holds interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's rope_interleave)."""
+
+    router_score: RouterScore = "softmax"
+    """Router scores: "softmax" over the experts, or an independent "sigmoid" per expert (DeepSeek-V3)."""
+
+    router_score_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only (DeepSeek's e_score_correction_bias);
+    the gate weights use the unbiased scores. A buffer, set by auxiliary-loss-free balancing, not by SGD."""
+
+    n_expert_groups: int = 1
+    """Groups the experts are split into for group-limited routing (DeepSeek's n_group)."""
+
+    top_k_groups: int = 1
+    """Groups a token may route into: the best by the sum of each group's two best scores (topk_group)."""
+
+    routed_scaling_factor: float = 1.0
+    """Multiplier of the routed experts' gate weights (after any renormalisation)."""
+
+    n_shared_experts: int = 0
+    """Experts every token uses, as one SwiGLU of width n_shared_experts * d_ff_expert beside the routed ones."""
+
+    first_dense_layers: int = 0
+    """In an MoE model, the first layers use a dense SwiGLU of width d_ff_dense (first_k_dense_replace)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
+        """Width of one attention head (of the cached keys and values: MLA pads the narrower to the wider)."""
+        if self.attention == "mla":
+            return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
         return self.attention_head_dim or self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width the rotary embedding turns: the whole head, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers with a router (the routing tensors' layer dimension)."""
+        return self.n_layers - self.first_dense_layers if self.is_moe else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` has routed experts."""
+        return self.is_moe and index >= self.first_dense_layers
 
     def validate(self) -> None:
         """Raise ModelConfigError when fields are out of range or contradict each other."""
         self._validate_fields()
         self._validate_rope_scaling()
         self._validate_heads()
+        self._validate_mla()
+        self._validate_router()
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ModelConfigError("rope_theta, norm_eps and init_std must all be positive.")
         hidden_widths = self._validate_feed_forward()
@@ -146,15 +212,58 @@ class ModelConfig:
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"pick n_heads among the divisors of d_model (e.g. {_divisors_hint(self.d_model)})."
             )
-        if self.head_dim % 2:
+        if self.rotary_dim % 2:
             raise ModelConfigError(
-                f"head_dim=d_model/n_heads={self.head_dim} is odd; rotary embeddings rotate pairs, "
+                f"rotary width {self.rotary_dim} (head_dim, or qk_rope_head_dim with MLA) is odd; rotary embeddings rotate pairs, "
                 "so choose n_heads such that d_model/n_heads is even."
             )
         if self.n_heads % self.n_kv_heads:
             raise ModelConfigError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} for grouped-query "
                 "attention; set n_kv_heads to a divisor of n_heads (n_kv_heads=n_heads disables GQA)."
+            )
+
+    def _validate_mla(self) -> None:
+        """Multi-head latent attention's widths; the GQA-only options are off."""
+        if self.attention not in ATTENTION_KINDS:
+            raise ModelConfigError(f"attention={self.attention!r} is unknown; use one of {ATTENTION_KINDS}.")
+        if self.attention != "mla":
+            return
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"attention='mla' needs {name} > 0, got {getattr(self, name)}.")
+        if self.qk_nope_head_dim < 0 or (self.q_lora_rank is not None and self.q_lora_rank <= 0):
+            raise ModelConfigError("qk_nope_head_dim must be >= 0 and q_lora_rank None or positive.")
+        if self.n_kv_heads != self.n_heads:
+            raise ModelConfigError(
+                f"attention='mla' expands the latent to every head: n_kv_heads must equal n_heads={self.n_heads}."
+            )
+        if self.qk_norm != "none" or self.qkv_bias or self.output_bias or self.clip_qkv is not None:
+            raise ModelConfigError("attention='mla' has no qk_norm, qkv_bias, output_bias or clip_qkv.")
+
+    def _validate_router(self) -> None:
+        """Router kind, group-limited routing, shared experts and leading dense layers."""
+        if self.router_score not in ROUTER_SCORES:
+            raise ModelConfigError(f"router_score={self.router_score!r} is unknown; use one of {ROUTER_SCORES}.")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ModelConfigError(f"routed_scaling_factor must be finite and positive, got {self.routed_scaling_factor}.")
+        if self.n_shared_experts < 0 or not 0 <= self.first_dense_layers < max(self.n_layers, 1):
+            raise ModelConfigError(
+                f"n_shared_experts={self.n_shared_experts} must be >= 0 and first_dense_layers="
+                f"{self.first_dense_layers} in [0, n_layers={self.n_layers}) (at least one MoE layer)."
+            )
+        groups, chosen = self.n_expert_groups, self.top_k_groups
+        if groups < 1 or not 1 <= chosen <= groups or self.n_experts % groups:
+            raise ModelConfigError(
+                f"n_expert_groups={groups} must divide n_experts={self.n_experts} and top_k_groups={chosen} "
+                f"be between 1 and n_expert_groups."
+            )
+        per_group = self.n_experts // groups
+        if groups > 1 and (per_group < 2 or self.top_k > chosen * per_group):
+            raise ModelConfigError(
+                f"Group-limited routing scores a group by its two best experts and picks top_k={self.top_k} "
+                f"among top_k_groups={chosen} groups of {per_group} experts: each group needs >= 2 experts "
+                "and top_k <= top_k_groups * experts per group."
             )
 
     def _validate_feed_forward(self) -> dict[str, int]:
@@ -168,6 +277,8 @@ class ModelConfig:
                     "lower top_k or add experts."
                 )
             hidden_widths = {"d_ff_expert": self.d_ff_expert}
+            if self.first_dense_layers and self.d_ff_dense < 1:
+                raise ModelConfigError("first_dense_layers > 0 needs d_ff_dense >= 1.")
         else:
             if self.d_ff_dense < 1:
                 raise ModelConfigError("Dense models need d_ff_dense >= 1.")
@@ -193,7 +304,8 @@ class ModelConfig:
                 f"rope_scaling type {kind!r} is not supported; supported types are {ROPE_SCALING_TYPES}."
             )
         needed = {"linear": ("factor",), "llama3": (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}.get(kind, ())
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("original_max_position_embeddings",)}.get(kind, ())
         missing = [key for key in needed if key not in self.rope_scaling]
         if missing:
             raise ModelConfigError(f"rope_scaling of type {kind!r} lacks {missing}.")
@@ -209,26 +321,39 @@ class ModelConfig:
             return dataclasses.replace(self)
         return dataclasses.replace(self, feed_forward="dense", d_ff_dense=self.top_k * self.d_ff_expert)
 
-    def parameter_counts(self) -> dict[str, int]:
-        """Total and per-token active parameter counts (embeddings included once when tied)."""
+    def _attention_parameters(self) -> int:
+        """Parameters of one attention layer."""
+        if self.attention == "mla":
+            qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.q_lora_rank is None:
+                query = self.d_model * self.n_heads * qk_head
+            else:
+                query = self.q_lora_rank * (self.d_model + 1 + self.n_heads * qk_head)
+            latent = self.d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            expand = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return query + latent + expand + self.n_heads * self.v_head_dim * self.d_model
         attention = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attention += self.head_dim * (self.n_heads + 2 * self.n_kv_heads) * self.qkv_bias
         attention += self.d_model * self.output_bias
-        attention += {"none": 0, "head": 2 * self.head_dim,
-                      "full": self.head_dim * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
-        norms = 2 * self.d_model
+        return attention + {"none": 0, "head": 2 * self.head_dim,
+                            "full": self.head_dim * (self.n_heads + self.n_kv_heads)}[self.qk_norm]
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total and per-token active parameter counts (embeddings included once when tied; buffers such
+        as the router score bias are not parameters)."""
+        per_layer = self._attention_parameters() + 2 * self.d_model
+        dense = 3 * self.d_model * self.d_ff_dense
         if self.is_moe:
             expert = 3 * self.d_model * self.d_ff_expert
-            router = self.d_model * self.n_experts
-            ffn_total, ffn_active = self.n_experts * expert + router, self.top_k * expert + router
+            fixed = self.d_model * self.n_experts + self.n_shared_experts * expert
+            moe_total, moe_active = self.n_experts * expert + fixed, self.top_k * expert + fixed
+            n_dense, n_moe = self.first_dense_layers, self.n_moe_layers
         else:
-            ffn_total = ffn_active = 3 * self.d_model * self.d_ff_dense
+            moe_total = moe_active = 0
+            n_dense, n_moe = self.n_layers, 0
         embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
-        shared = embeddings + self.d_model
-        return {
-            "total": shared + self.n_layers * (attention + norms + ffn_total),
-            "active": shared + self.n_layers * (attention + norms + ffn_active),
-        }
+        shared = embeddings + self.d_model + self.n_layers * per_layer + n_dense * dense
+        return {"total": shared + n_moe * moe_total, "active": shared + n_moe * moe_active}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

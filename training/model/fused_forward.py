@@ -179,9 +179,15 @@ class _Step:
 
 
 def fused_forward_supports(config: ModelConfig) -> bool:
-    """Whether the fused path computes this model: not with qk-norm, attention biases or qkv clipping
-    (options of imported Hugging Face families), which run MoETransformer.forward instead."""
-    return config.qk_norm == "none" and not config.qkv_bias and not config.output_bias and config.clip_qkv is None
+    """Whether the fused path computes this model: not with qk-norm, attention biases, qkv clipping, latent
+    attention or DeepSeek's routing options (sigmoid scores, groups, shared experts, dense layers, scaled
+    gates), options of imported Hugging Face families, which run MoETransformer.forward instead."""
+    plain_attention = (config.attention == "gqa" and config.qk_norm == "none" and not config.qkv_bias
+                       and not config.output_bias and config.clip_qkv is None)
+    plain_moe = (config.router_score == "softmax" and not config.router_score_bias and config.n_expert_groups == 1
+                 and not config.n_shared_experts and not config.first_dense_layers
+                 and config.routed_scaling_factor == 1.0)
+    return plain_attention and plain_moe
 
 
 class FusedForward:

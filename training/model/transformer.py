@@ -1,19 +1,20 @@
-"""Decoder-only MoE transformer: RoPE attention (GQA), RMSNorm, routed SwiGLU experts."""
+"""Decoder-only MoE transformer: RoPE attention (GQA, or DeepSeek's latent attention), RMSNorm, routed SwiGLU experts."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from training.model.attention import Attention
 from training.model.config import ModelConfig
 from training.model.kv_cache import CacheBatch, KVCache
+from training.model.mla import MLAttention
 from training.model.moe import DenseFeedForward, MoEFeedForward, output_init_std
+from training.model.rope import RotaryEmbedding
 
 
 @dataclass
@@ -30,7 +31,7 @@ class TransformerOutput:
     """Scalar, mean over MoE layers (zero for dense models); the trainer chooses its weight."""
 
     routed_experts: torch.Tensor | None
-    """int64 [B, T, n_layers, top_k] experts each input token used, when return_routing=True on an MoE."""
+    """int64 [B, T, n_moe_layers, top_k] experts each input token used, when return_routing=True on an MoE."""
 
 
 @dataclass
@@ -64,162 +65,14 @@ class SharedPrefix:
         )
 
 
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables (rotate-half convention) indexed by absolute position."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.register_buffer("cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
-        self.reset_buffers()
-
-    @torch.no_grad()
-    def reset_buffers(self) -> None:
-        """Fill the tables in place (also after materialising a model built on the meta device)."""
-        head_dim, device = self.config.head_dim, self.cos.device
-        if device.type == "meta":
-            return
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-        inv_freq = scaled_inverse_frequencies(1.0 / (self.config.rope_theta**exponents), self.config.rope_scaling)
-        angles = torch.outer(
-            torch.arange(self.config.max_seq_len, dtype=torch.float64, device=device), inv_freq
-        )
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] broadcastable over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def scaled_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    """Apply a Hugging Face rope_scaling ("linear" or "llama3"; "default" and None leave it) to the
-    rotary inverse frequencies, with the same formulas as transformers' modeling_rope_utils."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq / factor
-    old_context = float(scaling["original_max_position_embeddings"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    wavelength = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelength < old_context / high) & ~(wavelength > old_context / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.clip_qkv = config.clip_qkv
-        self.wq = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=config.qkv_bias)
-        self.wk = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.wv = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=config.output_bias)
-        self.qk_norm = config.qk_norm
-        self.q_norm = self.k_norm = None
-        if config.qk_norm != "none":
-            q_width = config.head_dim if config.qk_norm == "head" else config.n_heads * config.head_dim
-            k_width = config.head_dim if config.qk_norm == "head" else config.n_kv_heads * config.head_dim
-            self.q_norm = nn.RMSNorm(q_width, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(k_width, eps=config.norm_eps)
-
-    def _project(self, x: torch.Tensor, projection: nn.Linear, norm: nn.RMSNorm | None, heads: int) -> torch.Tensor:
-        """x [B, T, d_model] -> [B, heads, T, head_dim] through the projection, qk-norm and clipping."""
-        batch, length, _ = x.shape
-        out = projection(x)
-        if norm is not None and self.qk_norm == "full":
-            out = norm(out)
-        out = out.view(batch, length, heads, self.head_dim)
-        if norm is not None and self.qk_norm == "head":
-            out = norm(out)
-        if self.clip_qkv is not None:
-            out = out.clamp(-self.clip_qkv, self.clip_qkv)
-        return out.transpose(1, 2)
-
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """Queries [B, n_heads, T, head_dim] before the rotary embedding."""
-        return self._project(x, self.wq, self.q_norm, self.n_heads)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        kv_cache: KVCache | None,
-        cache_batch: CacheBatch | None,
-        query_positions: torch.Tensor | None = None,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_sink: list | None = None,
-    ) -> torch.Tensor:
-        """query_positions: int [B, N]; when given, only these positions query (causally, over every key of
-        their row) and the result is [B, N, d_model]; without it every position does.
-        prefix: (keys, values) [1, n_kv_heads, P, head_dim] of a shared prefix every row continues (x starts
-        at position P); every query attends all of it. kv_sink: a list this layer appends its (keys, values) to.
-        """
-        batch, length, _ = x.shape
-        k, v = self.keys_values(x, cos, sin)
-        if kv_sink is not None:
-            kv_sink.append((k, v))
-        offset = 0
-        if prefix is not None:
-            offset = prefix[0].shape[2]
-            k = torch.cat([prefix[0].expand(batch, -1, -1, -1), k], dim=2)
-            v = torch.cat([prefix[1].expand(batch, -1, -1, -1), v], dim=2)
-        gqa = self.n_kv_heads != self.n_heads
-        if query_positions is not None:
-            rows = torch.arange(batch, device=x.device)[:, None]
-            queries = query_positions.shape[1]
-            q = self.queries(x[rows, query_positions])
-            q = apply_rotary(q, cos[:, 0][rows, query_positions].unsqueeze(1), sin[:, 0][rows, query_positions].unsqueeze(1))
-            visible = torch.arange(offset + length, device=x.device) <= offset + query_positions[:, None, :, None]
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
-            return self.wo(attended.transpose(1, 2).reshape(batch, queries, self.n_heads * self.head_dim))
-        q = apply_rotary(self.queries(x), cos, sin)
-        if prefix is not None:
-            visible = torch.arange(offset + length, device=x.device) <= offset + torch.arange(length, device=x.device)[:, None]
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
-        elif kv_cache is None:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            keys, values = kv_cache.append(self.layer_index, cache_batch, k, v)
-            attended = F.scaled_dot_product_attention(
-                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache_batch.attention_mask, enable_gqa=gqa
-            )
-        return self.wo(attended.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
-
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys with the rotary embedding applied, values), each [B, n_kv_heads, T, head_dim]."""
-        k = self._project(x, self.wk, self.k_norm, self.n_kv_heads)
-        v = self._project(x, self.wv, None, self.n_kv_heads)
-        return apply_rotary(k, cos, sin), v
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attention = Attention(config, layer_index)
+        self.attention = MLAttention(config, layer_index) if config.attention == "mla" else Attention(config, layer_index)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.feed_forward: MoEFeedForward | DenseFeedForward = (
-            MoEFeedForward(config) if config.is_moe else DenseFeedForward(config)
+            MoEFeedForward(config) if config.is_moe_layer(layer_index) else DenseFeedForward(config)
         )
 
     def forward(
@@ -284,16 +137,7 @@ class MoETransformer(nn.Module):
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
         for block in self.layers:
-            attention = block.attention
-            for projection in (attention.wq, attention.wk, attention.wv):
-                nn.init.normal_(projection.weight, std=std)
-            nn.init.normal_(attention.wo.weight, std=out_std)
-            for projection in (attention.wq, attention.wk, attention.wv, attention.wo):
-                if projection.bias is not None:
-                    nn.init.zeros_(projection.bias)
-            for norm in (attention.q_norm, attention.k_norm):
-                if norm is not None:
-                    norm.reset_parameters()
+            block.attention.reset_parameters(std=std, output_std=out_std)
             block.feed_forward.reset_parameters(std=std, output_std=out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
@@ -314,8 +158,8 @@ class MoETransformer(nn.Module):
     ) -> TransformerOutput:
         """Run the model on input_ids [B, T].
 
-        routing_override: expert ids recorded at rollout time, [B, T, n_layers, top_k] or a sequence of
-            n_layers tensors [B, T, top_k]; replaces the router's choice (the gate weights still come
+        routing_override: expert ids recorded at rollout time, [B, T, n_moe_layers, top_k] or a sequence of
+            n_moe_layers tensors [B, T, top_k]; replaces the router's choice (the gate weights still come
             from the current router, so gradients flow to it).
         kv_cache / cache_slots: append the tokens to these cache slots ([B] int) and attend over each
             slot's cached prefix; without a cache the pass is a plain causal forward from position 0.
@@ -417,7 +261,7 @@ class MoETransformer(nn.Module):
         return positions, cache_batch
 
     def prefix_forward(self, input_ids: torch.Tensor, *, routing_override: torch.Tensor | None = None) -> SharedPrefix:
-        """Every layer's keys and values of a prefix [1, P] (routing_override: [1, P, n_layers, top_k]), for
+        """Every layer's keys and values of a prefix [1, P] (routing_override: [1, P, n_moe_layers, top_k]), for
         forward(prefix=...). The last layer's feed-forward is skipped: nothing reads its output."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"A shared prefix is one row [1, P], got shape {tuple(input_ids.shape)}.")
@@ -449,30 +293,37 @@ class MoETransformer(nn.Module):
 
     def _layer_overrides(
         self, routing_override: torch.Tensor | Sequence[torch.Tensor] | None, batch: int, length: int
-    ) -> list[torch.Tensor] | None:
+    ) -> list[torch.Tensor | None] | None:
+        """Per layer (None for dense layers), the recorded experts of a [B, T, MoE layers, top_k] override
+        (every layer with a router: all of them, but first_dense_layers)."""
         if routing_override is None:
             return None
         config = self.config
         if not config.is_moe:
             raise ValueError("routing_override was given to a dense model, which has no router.")
+        moe_layers = [index for index in range(config.n_layers) if config.is_moe_layer(index)]
         if isinstance(routing_override, torch.Tensor):
-            expected = (batch, length, config.n_layers, config.top_k)
+            expected = (batch, length, len(moe_layers), config.top_k)
             if tuple(routing_override.shape) != expected:
                 raise ValueError(
                     f"routing_override has shape {tuple(routing_override.shape)}, expected {expected} "
-                    "= (batch, seq_len, n_layers, top_k)."
+                    "= (batch, seq_len, MoE layers, top_k)."
                 )
-            return [routing_override[:, :, index] for index in range(config.n_layers)]
-        layers = list(routing_override)
-        if len(layers) != config.n_layers:
-            raise ValueError(f"routing_override has {len(layers)} layers, the model has {config.n_layers}.")
-        for index, layer in enumerate(layers):
-            if tuple(layer.shape) != (batch, length, config.top_k):
-                raise ValueError(
-                    f"routing_override[{index}] has shape {tuple(layer.shape)}, expected "
-                    f"{(batch, length, config.top_k)} = (batch, seq_len, top_k)."
-                )
-        return layers
+            layers = list(routing_override.unbind(2))
+        else:
+            layers = list(routing_override)
+            if len(layers) != len(moe_layers):
+                raise ValueError(f"routing_override has {len(layers)} layers, the model has {len(moe_layers)} MoE layers.")
+            for index, layer in enumerate(layers):
+                if tuple(layer.shape) != (batch, length, config.top_k):
+                    raise ValueError(
+                        f"routing_override[{index}] has shape {tuple(layer.shape)}, expected "
+                        f"{(batch, length, config.top_k)} = (batch, seq_len, top_k)."
+                    )
+        per_layer: list[torch.Tensor | None] = [None] * config.n_layers
+        for index, layer in zip(moe_layers, layers, strict=True):
+            per_layer[index] = layer
+        return per_layer
 
     def parameter_counts(self) -> dict[str, int]:
         return self.config.parameter_counts()
@@ -525,7 +376,7 @@ def _last_block_queries(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def _transformer_output(logits: torch.Tensor, routers: list, *, routing_shape: tuple[int, int] | None) -> TransformerOutput:
     """The forward's result: logits, the routers' mean auxiliary losses, and (routing_shape = (B, T) given)
-    the experts every position was routed to, [B, T, n_layers, top_k]."""
+    the experts every position was routed to, [B, T, n_moe_layers, top_k]."""
     zero = logits.new_zeros(())
     routed = None
     if routing_shape is not None and routers:

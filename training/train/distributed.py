@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.moe_experts import grouped_swiglu
-from training.model.moe import MoEFeedForward, RouterOutput
+from training.model.moe import MoEFeedForward, RouterOutput, route_tokens
 
 
 @dataclass
@@ -106,8 +106,9 @@ def all_to_all(tensor: torch.Tensor, *, output_splits: list[int], input_splits: 
 class ExpertParallelFeedForward(nn.Module):
     """An MoEFeedForward whose experts are split across the ranks of the default process group.
 
-    Same routing rule, gate weights and router losses as MoEFeedForward (computed on this rank's
-    tokens); only the expert matmuls happen on the rank that owns the expert.
+    Same routing rule (moe.route_tokens: softmax, or DeepSeek's biased sigmoid with group limits), gate
+    weights, shared experts and router losses as MoEFeedForward (computed on this rank's tokens); only the
+    routed expert matmuls happen on the rank that owns the expert (shared experts are replicated like the router).
     """
 
     def __init__(self, dense_layer: MoEFeedForward, *, context: DistributedContext) -> None:
@@ -124,6 +125,8 @@ class ExpertParallelFeedForward(nn.Module):
         first = context.rank * self.local_experts
         local = slice(first, first + self.local_experts)
         self.router = dense_layer.router
+        self.register_buffer("score_bias", dense_layer.score_bias)
+        self.shared_experts = dense_layer.shared_experts
         self.w_gate = nn.Parameter(dense_layer.w_gate.detach()[local].clone())
         self.w_up = nn.Parameter(dense_layer.w_up.detach()[local].clone())
         self.w_down = nn.Parameter(dense_layer.w_down.detach()[local].clone())
@@ -137,14 +140,9 @@ class ExpertParallelFeedForward(nn.Module):
         config, world, local_experts = self.config, self.context.world_size, self.local_experts
         n_experts, top_k = config.n_experts, config.top_k
         router_logits = self.router(x).float()
-        router_probs = router_logits.softmax(dim=-1)
-        if routing_override is None:
-            weights, expert_indices = router_probs.topk(top_k, dim=-1)
-        else:
-            expert_indices = routing_override.to(device=x.device, dtype=torch.long)
-            weights = router_probs.gather(1, expert_indices)
-        if config.normalize_top_k_weights:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        weights, expert_indices, router_probs = route_tokens(
+            config, router_logits, routing_override, score_bias=self.score_bias
+        )
 
         flat_experts = expert_indices.reshape(-1)
         order = flat_experts.argsort(stable=True)
@@ -174,6 +172,8 @@ class ExpertParallelFeedForward(nn.Module):
 
         gate = weights.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
         out = torch.zeros_like(x).index_add_(0, source_tokens, (expert_out * gate).to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
 
         if not compute_losses:
             zero = router_logits.new_zeros(())

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.training.hf.hf_models import ALL_FAMILIES, MOE_FAMILIES, padded_batch
+from tests.training.hf.hf_models import ALL_FAMILIES, DEEPSEEK_CASES, MOE_FAMILIES, padded_batch
 from training.hf.families import UnsupportedModelError, config_from_hf
 from training.hf.loading import load_hf_model
 from training.hf.weights import WeightsError
@@ -26,7 +26,7 @@ def test_logits_match_transformers_on_padded_batch(hf_checkpoints, model_type):
     torch.testing.assert_close(ours[valid], expected[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+@pytest.mark.parametrize("model_type", [t for t in MOE_FAMILIES if t not in DEEPSEEK_CASES])
 def test_router_chooses_the_same_experts(hf_checkpoints, model_type):
     directory, reference = hf_checkpoints[model_type]
     model, _, _ = load_hf_model(directory, dtype=torch.float32)

@@ -25,8 +25,9 @@ def reference_greedy(reference, prompt: list[int]) -> tuple[list[int], list[floa
     return tokens, logprobs
 
 
-# CI runs one dense family (with llama3 rope scaling) and one MoE family; the rest with -m slow.
-FAST = ("llama", "qwen3_moe")
+# CI runs one dense family (with llama3 rope scaling), one MoE family and DeepSeek-V3 (latent attention, yarn,
+# group-limited sigmoid routing, shared experts); the rest with -m slow.
+FAST = ("llama", "qwen3_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize(

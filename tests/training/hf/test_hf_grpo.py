@@ -44,7 +44,8 @@ def test_grpo_step_with_routing_replay_lowers_loss_and_exports(hf_checkpoints, m
     # routing replay: the learner's forward reproduces the sampler's logprobs
     torch.testing.assert_close(logprobs[:, len(prompt) - 1:].detach(), behaviour, atol=1e-4, rtol=0)
     loss.backward()
-    router = model.layers[0].feed_forward.router.weight
+    first_moe = model.config.first_dense_layers
+    router = model.layers[first_moe].feed_forward.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
     optimizer.step()
     optimizer.zero_grad()
@@ -64,8 +65,10 @@ def test_grpo_step_with_routing_replay_lowers_loss_and_exports(hf_checkpoints, m
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
 
 
-def test_imported_moe_runs_mxfp8_experts_with_routing_replay(hf_checkpoints):
-    directory, _ = hf_checkpoints["qwen3_moe"]  # d_model 64 and expert width 32: multiples of the MX block
+# d_model 64 and expert width 32: multiples of the MX block (DeepSeek: its dense layer and shared expert stay bf16)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_imported_moe_runs_mxfp8_experts_with_routing_replay(hf_checkpoints, model_type):
+    directory, _ = hf_checkpoints[model_type]
     model, _, _ = load_hf_model(directory, dtype=torch.float32)
     ids, attention = padded_batch(model.config.vocab_size)
     with torch.no_grad():
@@ -76,4 +79,4 @@ def test_imported_moe_runs_mxfp8_experts_with_routing_replay(hf_checkpoints):
     error = (out.logits[valid] - reference.logits[valid]).abs().max()
     assert 0 < error < 0.1 * reference.logits[valid].abs().max()  # quantised, yet close
     out.logits[valid].logsumexp(-1).sum().backward()
-    assert model.layers[0].feed_forward.w_gate.grad.abs().sum() > 0
+    assert model.layers[model.config.first_dense_layers].feed_forward.w_gate.grad.abs().sum() > 0
