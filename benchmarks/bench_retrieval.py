@@ -63,6 +63,19 @@ def _fast_encoder(path: str, args):
     return text_encoder_load(config=config)
 
 
+def _vector_agreement(path: str, args) -> dict[str, float]:
+    """Cosine of the fast path's vectors to the reference's at the same sequence length, on the fixed
+    sample of ``tests/semantic/test_fast_encoder.py`` (whose bounds: int8 min >= 0.97, mean >= 0.99)."""
+    sample = retrieval_set_build(files=held_out_files(("textwrap.py", "csv.py", "heapq.py")), max_queries=20, seed=0)
+    texts = ([chunk.embedding_text() for chunk in sample.chunks[:96]] + [query.text for query in sample.queries[:8]]
+             + ["x", "parse a duration like 5m"])
+    reference = TorchTextEncoder(load_encoder(path=path, max_seq_length=args.fast_max_seq_length))
+    expected = reference.encode(texts, batch_size=16)
+    got = _fast_encoder(path, args).encode(texts, batch_size=16)
+    cosines = np.sum(expected * got, axis=1) / (np.linalg.norm(expected, axis=1) * np.linalg.norm(got, axis=1))
+    return {"min": float(cosines.min()), "mean": float(cosines.mean()), "texts": len(texts)}
+
+
 def _encoder_run(*, encoder, retrieval_set, batch_size: int) -> tuple[RetrievalMetrics, np.ndarray, float]:
     encoder.encode(["warm up"], batch_size=1)
     started = time.perf_counter()
@@ -156,9 +169,14 @@ def _quality(*, args, retrieval_set, query_texts) -> tuple[dict[str, dict], dict
             metrics, vectors[f"{name} [{label}]"], _ = _encoder_run(
                 encoder=encoder, retrieval_set=retrieval_set, batch_size=args.batch_size)
             results[f"{name} [{label}]"] = metrics.__dict__
+        agreement = _vector_agreement(path, args)
+        results[f"{name} [fast vs torch at {args.fast_max_seq_length}: cosine]"] = agreement
+        print(f"{name}: fast-path vectors vs torch at {args.fast_max_seq_length} tokens on the test's fixed sample "
+              f"({agreement['texts']} texts): cosine min {agreement['min']:.4f}, mean {agreement['mean']:.4f}", flush=True)
     print("\n| retriever | recall@1 | recall@5 | recall@10 | MRR@10 |\n|---|---|---|---|---|")
     for name, metrics in results.items():
-        print(_row(name, RetrievalMetrics(**metrics)))
+        if "cosine" not in name:
+            print(_row(name, RetrievalMetrics(**metrics)))
     for name in encoders if not args.skip_reference_quality else ():
         before = results[f"{name} [reference: torch, {REFERENCE_MAX_SEQ_LENGTH} tokens]"]
         after = results[f"{name} [fast: {fast_label}]"]

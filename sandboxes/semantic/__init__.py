@@ -5,6 +5,7 @@ tasks and RL rollouts alike.
 """
 
 from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
-from sandboxes.semantic.search import format_hits, semantic_search
+from sandboxes.semantic.search import format_hits, index_build_cancel, index_build_start, semantic_search
 
-__all__ = ["SemanticSearchConfig", "SemanticSearchError", "format_hits", "semantic_search"]
+__all__ = ["SemanticSearchConfig", "SemanticSearchError", "format_hits", "index_build_cancel", "index_build_start",
+           "semantic_search"]

@@ -75,7 +75,12 @@ class SemanticSearchConfig:
     (ONNX Runtime, int8 weights); queries and chunks of one index always use the same backend."""
     background_indexing: bool = True
     """Build a snapshot's index in a background thread and answer from BM25 until it is ready
-    (False: the first search waits for the index, as the retrieval benchmark and RL tests want)."""
+    (False: the first search waits for the index, as the retrieval benchmark and RL tests want). A
+    product task starts the build as soon as its sandbox exists (``index_build_start``), not at the
+    agent's first search."""
+    max_concurrent_builds: int = 1
+    """Snapshot index builds of one process that encode at once; later ones wait (``queued``, BM25
+    answering) for a slot, so a worker starting many tasks does not split its cores over all of them."""
     snippet_lines: int = 12
     """Lines of each hit shown in the tool's result text."""
     max_k: int = 50
@@ -108,6 +113,8 @@ class SemanticSearchConfig:
             raise SemanticSearchError("encode_batch_size must be at least 1")
         if not 16 <= self.max_seq_length <= 512:
             raise SemanticSearchError("max_seq_length must lie in [16, 512] (the encoder's position limit)")
+        if not 1 <= self.max_concurrent_builds <= 64:
+            raise SemanticSearchError("max_concurrent_builds must lie in [1, 64]")
         if self.snippet_lines < 1:
             raise SemanticSearchError("snippet_lines must be at least 1")
         if self.max_k < 1:

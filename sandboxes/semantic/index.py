@@ -31,7 +31,7 @@ from sandboxes.semantic.chunking import (
 )
 from sandboxes.semantic.config import SemanticSearchConfig
 from sandboxes.semantic.encoder import encoder_tag, text_encoder_load
-from sandboxes.semantic.progress import IndexProgressWriter
+from sandboxes.semantic.progress import IndexBuildCancelled, IndexProgressWriter
 
 INDEX_FORMAT_VERSION = 2
 # Stored vectors are float16: half the bytes to memory-map and scan per query, and cosine scores
@@ -181,12 +181,14 @@ def base_index_load_or_build(
     config: SemanticSearchConfig,
     chunks: list[Chunk] | None = None,
     progress: Callable[[int], None] | None = None,
+    started_at: float | None = None,
 ) -> BaseIndex:
     """Load the snapshot's index from disk, building it first (once across processes) if missing.
 
     ``files`` is called only when a build is needed and yields (relative path, bytes) of the snapshot;
-    ``chunks``, when given, are those files already chunked. ``progress(n)`` follows the encoding, and
-    ``<directory>.progress.json`` shows it to other processes.
+    ``chunks``, when given, are those files already chunked. ``progress(n)`` follows the encoding (raising
+    ``IndexBuildCancelled`` there stops it), and ``<directory>.progress.json`` shows it to other processes
+    (``started_at``: when the build began, if before this call, e.g. queued for an encoding slot).
     """
     directory = base_index_directory(snapshot_id=snapshot_id, config=config)
     loaded = base_index_load(snapshot_id=snapshot_id, config=config)
@@ -199,7 +201,8 @@ def base_index_load_or_build(
         if chunks is None:
             chunks = chunks_for_files(files=files(), config=config)
         writer = IndexProgressWriter(
-            directory=directory, snapshot_id=snapshot_id, encoder=encoder_tag(config), chunks_total=len(chunks)
+            directory=directory, snapshot_id=snapshot_id, encoder=encoder_tag(config), chunks_total=len(chunks),
+            started_at=started_at,
         )
 
         def advance(count: int) -> None:
@@ -210,7 +213,7 @@ def base_index_load_or_build(
         try:
             table = table_encode(chunks=chunks, config=config, progress=advance)
         except BaseException as exc:
-            writer.finish(error=f"{type(exc).__name__}: {exc}"[:500])
+            writer.finish(error=f"{type(exc).__name__}: {exc}"[:500], cancelled=isinstance(exc, IndexBuildCancelled))
             raise
         _table_write(
             table=table,

@@ -113,15 +113,9 @@ def base_index_or_build(*, sandbox, config: SemanticSearchConfig) -> _LoadedBase
         loaded = _REGISTRY.bases.get(key)
     if loaded is not None:
         return base_index_for_snapshot(sandbox=sandbox, config=config)
-    build = _REGISTRY.builds.get(key)
-    if build is None:
-        on_disk = base_index_load(snapshot_id=snapshot.id, config=config)
-        if on_disk is not None:
-            return _base_register(key=key, index=on_disk, config=config)
-        build = _REGISTRY.builds.start(
-            key=key, snapshot_id=snapshot.id, files=lambda: snapshot_files(sandbox=sandbox, config=config),
-            config=config, on_ready=lambda index: _base_register(key=key, index=index, config=config),
-        )
+    build = _build_or_loaded(sandbox=sandbox, config=config, key=key)
+    if isinstance(build, _LoadedBase):
+        return build
     build.chunks_ready.wait(_FIRST_ANSWER_WAIT_S)
     with _REGISTRY.lock:
         loaded = _REGISTRY.bases.get(key)
@@ -136,6 +130,43 @@ def base_index_or_build(*, sandbox, config: SemanticSearchConfig) -> _LoadedBase
     if build.error is not None:
         _REGISTRY.builds.forget(key)  # the next search starts a fresh attempt
     return build
+
+
+def _build_or_loaded(*, sandbox, config: SemanticSearchConfig, key: tuple[str, str, str]) -> _LoadedBase | IndexBuild:
+    build = _REGISTRY.builds.get(key)
+    if build is not None:
+        return build
+    snapshot = sandbox.snapshot
+    on_disk = base_index_load(snapshot_id=snapshot.id, config=config)
+    if on_disk is not None:
+        return _base_register(key=key, index=on_disk, config=config)
+    return _REGISTRY.builds.start(
+        key=key, snapshot_id=snapshot.id, files=lambda: snapshot_files(sandbox=sandbox, config=config),
+        config=config, on_ready=lambda index: _base_register(key=key, index=index, config=config),
+    )
+
+
+def index_build_start(*, sandbox, config: SemanticSearchConfig | None = None) -> IndexBuild | None:
+    """Start building the index of ``sandbox.snapshot`` in the background now, without waiting.
+
+    A product task calls this once its sandbox exists, so the build runs while the agent starts and
+    its progress shows from the start; the agent's searches answer from BM25 until it is ready. None
+    when the index is already loaded or on disk, or background indexing is off (searches then build).
+    """
+    config = config or SemanticSearchConfig.from_environment()
+    if not config.background_indexing:
+        return None
+    key = _base_key(snapshot_id=sandbox.snapshot.id, config=config)
+    with _REGISTRY.lock:
+        if key in _REGISTRY.bases:
+            return None
+    build = _build_or_loaded(sandbox=sandbox, config=config, key=key)
+    return None if isinstance(build, _LoadedBase) else build
+
+
+def index_build_cancel(*, snapshot_id: str) -> int:
+    """Stop this process's unfinished builds of a snapshot that is going away; returns how many."""
+    return _REGISTRY.builds.cancel(snapshot_id=snapshot_id)
 
 
 def snapshot_files(*, sandbox, config: SemanticSearchConfig) -> Iterator[tuple[str, bytes]]:

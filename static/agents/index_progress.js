@@ -17,9 +17,10 @@
       if (!bar) { bar = document.createElement("progress"); box.appendChild(bar); }
       bar.max = progress.chunks_total; bar.value = progress.chunks_done;
     }
-    // Poll while building or not started yet; stop once ready, failed or stalled.
-    if (!progress || progress.state === "building") setTimeout(poll, 2000);
+    // Poll while queued, building or not started yet; stop once ready, failed, cancelled or stalled.
+    if (!progress || progress.state === "queued" || progress.state === "building") setTimeout(poll, 2000);
   }
   // A finished task is not followed: its build, if any, is shown as it was when the page was made.
-  if (box.dataset.live === "1" && (box.dataset.state === "none" || box.dataset.state === "building")) setTimeout(poll, 2000);
+  const following = ["none", "queued", "building"];
+  if (box.dataset.live === "1" && following.includes(box.dataset.state)) setTimeout(poll, 2000);
 })();

@@ -31,7 +31,7 @@ def _kinds(task) -> list[str]:
 @pytest.mark.django_db
 def test_a_followup_to_a_finished_task_continues_in_a_rebuilt_workspace(owner, demo_repository):
     task = _finished_task(owner, demo_repository)
-    first_turns, first_last_seq = task.turns, task.last_seq
+    first_turns, first_last_seq, first_snapshot = task.turns, task.last_seq, task.snapshot_id
     followup = followups.followup_send(task=task, user=owner, message="Please document median too")
     task.refresh_from_db()
     assert (task.status, task.outcome, task.status_reason) == ("queued", "", "follow-up queued")
@@ -43,6 +43,8 @@ def test_a_followup_to_a_finished_task_continues_in_a_rebuilt_workspace(owner, d
     assert note.startswith("succeeded"), note
     assert (task.status, task.outcome) == ("succeeded", "tests_pass"), (task.status_reason, task.test_summary)
     assert (followup.status, followup.workspace) == ("delivered", "rebuilt")
+    # The rebuilt workspace is a new snapshot: the task page follows its index build (started with it).
+    assert task.snapshot_id and task.snapshot_id != first_snapshot
     # The first run's fix came back from the patch; the follow-up's edit sits on top of it.
     assert FIX in task.diff and DOCSTRING in task.diff
     # One conversation: the first run's events, then the user's turn, the agent's turns, a new result, new tests.

@@ -1,11 +1,13 @@
 """The task page follows the semantic index build of the task's snapshot (issue 53).
 
-A run records its snapshot on the task; the page and its JSON endpoint read the build's progress
-file (the same one ``/metrics`` sums) and switch from "building" to "ready" when the build ends.
+A run records its snapshot on the task and starts its index build at once; the page and its JSON
+endpoint read the build's progress file (the same one ``/metrics`` sums) and go from "queued" through
+"building" to "ready" when the build ends.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -35,6 +37,30 @@ def test_a_run_records_the_snapshot_it_works_on(shared_task):
     services.task_run(task_id=shared_task.pk)
     shared_task.refresh_from_db()
     assert shared_task.status == "succeeded" and shared_task.snapshot_id
+
+
+def test_a_run_starts_the_index_build_when_its_sandbox_is_ready_not_at_the_first_search(
+    shared_task, settings, tmp_path
+):
+    """The build's progress file is written before the agent's first step, so the page shows it from the start."""
+    from sandboxes.semantic.progress import index_progress_list
+    from webapp.agents.models import TaskEvent
+
+    settings.SEMANTIC_INDEX_ROOT = str(tmp_path / "index")
+    services.task_run(task_id=shared_task.pk)
+    shared_task.refresh_from_db()
+    deadline = time.monotonic() + 120
+    while True:  # the build thread may still be loading the encoder when the run is over
+        (row,) = index_progress_list(index_root=tmp_path / "index", snapshot_id=shared_task.snapshot_id)
+        if row.state not in ("queued", "building") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    events = TaskEvent.objects.filter(task=shared_task).order_by("seq")
+    first_step = events.first().ts
+    first_search = events.filter(tool_name="semantic_search").first().ts
+    assert row.started_at < first_step < first_search, (row.started_at, first_step, first_search)
+    # The scripted agent searched once; its run ended with the build ready, or stopped with the run.
+    assert row.state in ("ready", "cancelled"), row
 
 
 def test_snapshot_is_recorded_only_under_the_current_claim(shared_task):
@@ -69,6 +95,15 @@ def test_task_page_shows_the_build_and_switches_when_ready(
         assert 'data-state="building"' in page and "3 of 10 chunks encoded" in page and "BM25" in page
     assert _browser(outsider).get(api).status_code == 404
     assert _browser(outsider).get(url).status_code == 404
+
+    queued = IndexProgressWriter(directory=tmp_path / "index" / "snap-53" / "tag2", snapshot_id="snap-53",
+                                 encoder="tag2", chunks_total=0, state="queued")  # the newest build is shown
+    assert "chunking the snapshot" in owner_client.get(api).json()["progress"]["label"]
+    queued.queued(chunks_total=10)
+    body = owner_client.get(api).json()["progress"]
+    assert body["state"] == "queued" and "10 chunks wait for an encoding slot" in body["label"]
+    assert 'data-state="queued"' in owner_client.get(url).content.decode()
+    (tmp_path / "index" / "snap-53" / "tag2.progress.json").unlink()
 
     writer.finish()
     other.advance(1)  # another snapshot's build does not leak into this task's page

@@ -118,7 +118,7 @@ def test_metrics_report_semantic_index_builds_from_their_progress_files(staff, s
     from sandboxes.semantic.progress import IndexProgressWriter
 
     settings.SEMANTIC_INDEX_ROOT = str(tmp_path)
-    for snapshot in ("snap-a", "snap-b", "snap-c", "snap-d"):
+    for snapshot in ("snap-a", "snap-b", "snap-c", "snap-d", "snap-e", "snap-f"):
         (tmp_path / snapshot).mkdir()  # the builder writes its progress file beside the index directory
     building = IndexProgressWriter(directory=tmp_path / "snap-a" / "minilm", snapshot_id="snap-a", encoder="minilm",
                                    chunks_total=10)
@@ -131,6 +131,12 @@ def test_metrics_report_semantic_index_builds_from_their_progress_files(staff, s
                                  chunks_total=5)
     failed.finish(error="encoder crashed")
     (tmp_path / "snap-d" / "minilm.progress.json").write_text("{not json")  # ignored, not an error
+    queued = IndexProgressWriter(directory=tmp_path / "snap-e" / "minilm", snapshot_id="snap-e", encoder="minilm",
+                                 chunks_total=0, state="queued")  # started with its task, waits for a slot
+    queued.queued(chunks_total=7)
+    cancelled = IndexProgressWriter(directory=tmp_path / "snap-f" / "minilm", snapshot_id="snap-f",
+                                    encoder="minilm", chunks_total=2)
+    cancelled.finish(error="its task ended", cancelled=True)
 
     client = Client()
     client.force_login(staff)
@@ -141,5 +147,7 @@ def test_metrics_report_semantic_index_builds_from_their_progress_files(staff, s
     assert samples[(builds, (("state", "ready"),))] == 1
     assert samples[(builds, (("state", "failed"),))] == 1
     assert samples[(builds, (("state", "stalled"),))] == 0
+    assert samples[(builds, (("state", "queued"),))] == 1
+    assert samples[(builds, (("state", "cancelled"),))] == 1
     assert samples[("flowstate_semantic_index_chunks", (("kind", "done"),))] == 3
-    assert samples[("flowstate_semantic_index_chunks", (("kind", "total"),))] == 10
+    assert samples[("flowstate_semantic_index_chunks", (("kind", "total"),))] == 10 + 7  # building + queued

@@ -15,7 +15,7 @@ import pytest
 from filelock import FileLock
 
 from sandboxes.base import RepoSource, SandboxLimits
-from sandboxes.semantic import semantic_search
+from sandboxes.semantic import index_build_cancel, index_build_start, semantic_search
 from sandboxes.semantic.encoder import text_encoder_load
 from sandboxes.semantic.index import base_index_directory
 from sandboxes.semantic.progress import index_progress_list, index_progress_summary
@@ -117,3 +117,66 @@ def test_a_failed_build_keeps_bm25_answering_and_says_why(forks, background_conf
     assert _hits(text)[0]["symbol"] == "parse_duration"
     (progress,) = index_progress_list(index_root=config.index_root)
     assert progress.state == "failed" and progress.error
+
+
+def _progress(config, snapshot_id):
+    rows = index_progress_list(index_root=config.index_root, snapshot_id=snapshot_id)
+    return rows[0] if rows else None
+
+
+def _wait_for(predicate, *, timeout_s=60.0, what=""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_builds_started_with_the_task_are_visible_at_once_bounded_and_cancellable(
+    local_backend, tiny_repository, background_config
+):
+    """The build starts before any search, shows ``queued`` at once; one encodes at a time; cancel stops one."""
+    config = replace(background_config, max_concurrent_builds=1)
+    text_encoder_load(config=config)
+    sandboxes = [local_backend.sandbox_create(snapshot=local_backend.snapshot_create(
+        source=RepoSource(kind="path", location=str(tiny_repository))), limits=SandboxLimits()) for _ in range(3)]
+    first, second, third = sandboxes
+    directory = base_index_directory(snapshot_id=first.snapshot.id, config=config)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    other_builder = FileLock(str(directory) + ".lock")  # holds the first build inside its encoding slot
+    other_builder.acquire()
+    try:
+        build = index_build_start(sandbox=first, config=config)
+        assert build is not None and index_build_start(sandbox=first, config=config) is build  # one per snapshot
+        row = _progress(config, first.snapshot.id)  # written before index_build_start returned
+        assert row is not None and row.state == "queued"
+        _wait_for(lambda: build.chunks_ready.is_set() and build.encoding, what="the first build's slot")
+
+        queued = index_build_start(sandbox=second, config=config)
+        _wait_for(lambda: queued.waiting, what="the second build to queue behind the first")
+        assert (_progress(config, second.snapshot.id).state, _progress(config, second.snapshot.id).chunks_total) \
+            == ("queued", 6)
+        text = semantic_search(sandbox=second, query="parse duration units", k=3, config=config)
+        assert text.startswith("[BM25 keyword results: the semantic index of this snapshot is not ready yet "
+                               "(6 chunks queued for encoding behind other snapshots' builds)")
+        assert _hits(text)[0]["symbol"] == "parse_duration"
+        summary = index_progress_summary(index_root=config.index_root)
+        assert summary["builds_queued"] == 2 and summary["building_chunks_total"] == 12
+
+        cancelled = index_build_start(sandbox=third, config=config)
+        _wait_for(lambda: cancelled.waiting, what="the third build to queue")
+        assert index_build_cancel(snapshot_id=third.snapshot.id) == 1
+        _wait_for(lambda: cancelled.finished.is_set(), what="the cancelled build to stop")
+        assert _progress(config, third.snapshot.id).state == "cancelled"
+        assert queued.waiting and not queued.finished.is_set()  # the others are untouched
+    finally:
+        other_builder.release()
+
+    assert _hits(_wait_for_semantic(sandbox=first, query="parse duration units", config=config))[0]["label"] == "score"
+    _wait_for_semantic(sandbox=second, query="parse duration units", config=config)
+    assert [_progress(config, s.snapshot.id).state for s in (first, second)] == ["ready", "ready"]
+    assert not (base_index_directory(snapshot_id=third.snapshot.id, config=config) / "meta.json").exists()
+    for sandbox in sandboxes:
+        sandbox.destroy()

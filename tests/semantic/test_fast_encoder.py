@@ -3,12 +3,14 @@
 The fixed sample is the first 96 chunks of the retrieval benchmark's held-out set (stdlib code with
 its docstrings removed) plus a few short queries, all encoded at the index's sequence length. The
 bounds are the stated contract: fp32 ONNX reproduces sentence-transformers to rounding; int8 moves
-each vector by at most 1 - ``INT8_MIN_COSINE`` (its recall is re-measured in bench_retrieval.py).
+each vector by at most 1 - ``INT8_MIN_COSINE`` (its recall is re-measured in bench_retrieval.py). They
+hold for the bundled MiniLM and for fine-tuned checkpoints of it (``train_embeddings``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,20 +41,68 @@ def _cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return np.sum(first * second, axis=1) / (np.linalg.norm(first, axis=1) * np.linalg.norm(second, axis=1))
 
 
-@pytest.mark.parametrize(("backend", "min_cosine", "mean_cosine"),
-                         [("onnx", FP32_MIN_COSINE, FP32_MIN_COSINE), ("onnx-int8", INT8_MIN_COSINE, INT8_MEAN_COSINE)])
+BOUNDS = [("onnx", FP32_MIN_COSINE, FP32_MIN_COSINE), ("onnx-int8", INT8_MIN_COSINE, INT8_MEAN_COSINE)]
+TRAINED_CHECKPOINT = Path("var/embeddings/code-search")
+"""Where ``manage.py train_embeddings`` puts the fine-tuned encoder (not shipped; checked when present)."""
+
+
+def _assert_fast_path_within_bound(*, config: SemanticSearchConfig, texts: list[str], backend: str,
+                                   min_cosine: float, mean_cosine: float) -> np.ndarray:
+    reference = text_encoder_load(config=replace(config, encoder_backend="torch"))
+    fast = text_encoder_load(config=replace(config, encoder_backend=backend))
+    expected = reference.encode(texts, batch_size=16)
+    got = fast.encode(texts, batch_size=16)
+    assert got.shape == expected.shape == (len(texts), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+    cosines = _cosines(got, expected)
+    assert cosines.min() >= min_cosine, (config.encoder_path, backend, float(cosines.min()))
+    assert cosines.mean() >= mean_cosine, (config.encoder_path, backend, float(cosines.mean()))
+    return expected
+
+
+@pytest.mark.parametrize(("backend", "min_cosine", "mean_cosine"), BOUNDS)
 def test_fast_path_vectors_match_the_reference_within_the_bound(
     tmp_path, encoder_cache, sample_texts, backend, min_cosine, mean_cosine
 ):
-    reference = text_encoder_load(config=_config(tmp_path, encoder_cache, "torch"))
-    fast = text_encoder_load(config=_config(tmp_path, encoder_cache, backend))
-    expected = reference.encode(sample_texts, batch_size=16)
-    got = fast.encode(sample_texts, batch_size=16)
-    assert got.shape == expected.shape == (len(sample_texts), 384) and got.dtype == np.float32
-    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
-    cosines = _cosines(got, expected)
-    assert cosines.min() >= min_cosine, (backend, float(cosines.min()))
-    assert cosines.mean() >= mean_cosine, (backend, float(cosines.mean()))
+    _assert_fast_path_within_bound(config=_config(tmp_path, encoder_cache, "torch"), texts=sample_texts,
+                                   backend=backend, min_cosine=min_cosine, mean_cosine=mean_cosine)
+
+
+@pytest.fixture(scope="module")
+def finetuned_checkpoint(tmp_path_factory) -> Path:
+    """A ``train_embeddings`` checkpoint: a short run at a high learning rate, so its weights really moved."""
+    from tests.semantic.test_embeddings import write_library
+    from training.embeddings.finetune import EmbeddingFinetuneConfig, embeddings_finetune
+
+    root = tmp_path_factory.mktemp("finetuned")
+    library = write_library(root / "src", copies=8)
+    result = embeddings_finetune(config=EmbeddingFinetuneConfig(
+        output_dir=root / "encoder", source_roots=(str(library),), max_pairs=48, batch_size=8, learning_rate=2e-4,
+        max_seq_length=64, torch_threads=1))
+    return result.output_dir
+
+
+@pytest.mark.parametrize(("backend", "min_cosine", "mean_cosine"), BOUNDS)
+def test_the_bound_holds_for_a_finetuned_encoder_too(
+    tmp_path, encoder_cache, sample_texts, finetuned_checkpoint, backend, min_cosine, mean_cosine
+):
+    """The fast path exports whatever checkpoint SEMANTIC_ENCODER names; a fine-tune keeps within the bound."""
+    base = text_encoder_load(config=_config(tmp_path, encoder_cache, "torch")).encode(sample_texts, batch_size=16)
+    config = replace(_config(tmp_path, encoder_cache, "torch"), encoder_path=str(finetuned_checkpoint))
+    tuned = _assert_fast_path_within_bound(config=config, texts=sample_texts, backend=backend,
+                                           min_cosine=min_cosine, mean_cosine=mean_cosine)
+    assert _cosines(tuned, base).min() < 0.99, "the fine-tune must have moved the vectors"
+
+
+@pytest.mark.skipif(not (TRAINED_CHECKPOINT / "modules.json").is_file(),
+                    reason="no train_embeddings checkpoint at var/embeddings/code-search")
+@pytest.mark.parametrize(("backend", "min_cosine", "mean_cosine"), BOUNDS)
+def test_the_bound_holds_for_the_trained_code_search_encoder(
+    tmp_path, encoder_cache, sample_texts, backend, min_cosine, mean_cosine
+):
+    config = replace(_config(tmp_path, encoder_cache, "torch"), encoder_path=str(TRAINED_CHECKPOINT.resolve()))
+    _assert_fast_path_within_bound(config=config, texts=sample_texts, backend=backend,
+                                   min_cosine=min_cosine, mean_cosine=mean_cosine)
 
 
 def test_length_batching_keeps_each_vector_with_its_text(tmp_path, encoder_cache, sample_texts):

@@ -362,7 +362,11 @@ def continuation_run(*, task_id: int, keep_warm: bool = True) -> str:
             services.task_fail(task_id=task_id, claim_token=token,
                                reason=f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
             return None
-        return held["sandbox"] if _workspace_rebuild(task=task, token=token, sandbox=held["sandbox"]) else None
+        if not _workspace_rebuild(task=task, token=token, sandbox=held["sandbox"]):
+            return None
+        services.task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=held["snapshot"].id)
+        services._semantic_index_start(held["sandbox"], task_id)  # the page follows this snapshot's build
+        return held["sandbox"]
 
     try:
         note = _claimed_run(task_id=task_id, sandbox_for=sandbox_for, workspace="rebuilt")
@@ -378,4 +382,5 @@ def continuation_run(*, task_id: int, keep_warm: bool = True) -> str:
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
         if "snapshot" in held:
+            services._semantic_index_cancel(held["snapshot"], task_id)
             services._snapshot_discard(held["backend"], held["snapshot"], task_id)

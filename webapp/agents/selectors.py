@@ -153,8 +153,8 @@ def broker_waiting_task_ids() -> set[int]:
 def task_index_progress(*, task: AgentTask) -> dict | None:
     """The semantic index build of the task's snapshot as the task page shows it, or None.
 
-    ``None`` when the task has no snapshot yet or nothing was built for it (the build starts at the
-    agent's first ``semantic_search``). Read from the progress files of the deployment's index root.
+    ``None`` when the task has no snapshot yet or nothing was built for it (the build starts when the
+    task's sandbox is ready). Read from the progress files of the deployment's index root.
     """
     from sandboxes.semantic.config import SemanticSearchConfig, SemanticSearchError
     from sandboxes.semantic.progress import index_progress_list
@@ -170,10 +170,14 @@ def task_index_progress(*, task: AgentTask) -> dict | None:
         return None
     row = rows[0]
     labels = {
+        "queued": (f"queued: {row.chunks_total} chunks wait for an encoding slot; semantic_search answers from "
+                   "BM25 until the index is ready" if row.chunks_total else
+                   "queued: chunking the snapshot; semantic_search answers from BM25 until the index is ready"),
         "building": f"building: {row.chunks_done} of {row.chunks_total} chunks encoded "
                     f"({row.fraction:.0%}); semantic_search answers from BM25 until it is ready",
         "ready": f"ready: {row.chunks_total} chunks, semantic_search answers from the embedding index",
         "failed": f"build failed ({row.error[:300]}); the next semantic_search starts it again",
+        "cancelled": f"build stopped at {row.chunks_done} of {row.chunks_total} chunks (the run ended first)",
         "stalled": f"build stalled at {row.chunks_done} of {row.chunks_total} chunks (its process stopped writing)",
     }
     return {"state": row.state, "chunks_done": row.chunks_done, "chunks_total": row.chunks_total,

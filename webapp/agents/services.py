@@ -413,6 +413,26 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
     return backend, snapshot, sandbox
 
 
+def _semantic_index_start(sandbox, task_id: int) -> None:
+    """Start the snapshot's semantic index build now (background, bounded): the agent is not held up,
+    its searches answer from BM25 until the index is ready, and the task page follows the build."""
+    from sandboxes.semantic import index_build_start
+
+    try:
+        index_build_start(sandbox=sandbox)
+    except Exception:  # the agent's first semantic_search tries again and reports what went wrong
+        logger.exception("could not start the semantic index build of task %s", task_id)
+
+
+def _semantic_index_cancel(snapshot, task_id: int) -> None:
+    from sandboxes.semantic import index_build_cancel
+
+    try:
+        index_build_cancel(snapshot_id=snapshot.id)
+    except Exception:
+        logger.exception("could not cancel the semantic index build of task %s", task_id)
+
+
 def task_snapshot_record(*, task_id: int, claim_token, snapshot_id: str) -> bool:
     """Store the snapshot this attempt works on (the task page follows its semantic index build)."""
     return bool(AgentTask.objects.filter(pk=task_id, claim_token=claim_token).update(snapshot_id=snapshot_id))
@@ -453,6 +473,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
             return "failed: sandbox"
         _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=snapshot.id),
                   what=f"recording the snapshot of task {task_id}")
+        _semantic_index_start(sandbox, task_id)
 
         on_event, should_stop = followups.agent_callbacks(task_id=task_id, token=token, lost=lost)
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
@@ -479,6 +500,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
         if snapshot is not None:
+            _semantic_index_cancel(snapshot, task_id)  # its index is of no use once the snapshot is gone
             _snapshot_discard(backend, snapshot, task_id)
 
 

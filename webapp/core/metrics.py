@@ -17,9 +17,9 @@ Series:
   flowstate_celery_queue_depth{queue}                   gauge: messages waiting in the broker queue
   flowstate_experiment_rollouts_per_second{experiment}  gauge: latest step of each running experiment
   flowstate_experiment_update_seconds{experiment}       gauge: its policy update time
-  flowstate_semantic_index_builds{state}                gauge: snapshot index builds (building, ready,
-                                                        failed, stalled), from their progress files
-  flowstate_semantic_index_chunks{kind}                 gauge: chunks done / total of the builds in progress
+  flowstate_semantic_index_builds{state}                gauge: snapshot index builds (queued, building, ready,
+                                                        failed, cancelled, stalled), from their progress files
+  flowstate_semantic_index_chunks{kind}                 gauge: chunks done / total of the builds queued or building
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _experiment_series():
 
 
 def _semantic_series():
-    from sandboxes.semantic.progress import semantic_index_metrics
+    from sandboxes.semantic.progress import STATES, semantic_index_metrics
 
     builds = GaugeMetricFamily("flowstate_semantic_index_builds",
                                "Semantic index builds of snapshots, by state (progress files).", labels=["state"])
@@ -151,7 +151,7 @@ def _semantic_series():
     except Exception:  # an unreadable index root must not break the other series
         logger.warning("semantic index progress unavailable", exc_info=True)
         return
-    for state in ("building", "ready", "failed", "stalled"):
+    for state in STATES:
         builds.add_metric([state], summary[f"builds_{state}"])
     chunks.add_metric(["done"], summary["building_chunks_done"])
     chunks.add_metric(["total"], summary["building_chunks_total"])
