@@ -34,7 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.bench.paired import PairedDifference, paired_comparison
-from training.bench.recipes import RECIPES, RecipeConfig, RecipeRun, recipe_summary, run_recipe
+from training.bench.recipes import (
+    RECIPES,
+    RecipeConfig,
+    RecipeRun,
+    recipe_load,
+    recipe_save,
+    rl_config,
+    run_recipe,
+)
 from training.bench.runner import BenchConfig, run_benchmark
 from training.bench.svg_plot import line_plot_svg
 
@@ -148,13 +156,19 @@ def recipe_config(recipe: str, seed: int, args: argparse.Namespace) -> RecipeCon
     return RecipeConfig(
         recipe=recipe, init_checkpoint=args.init_checkpoint, run_dir=str(Path(args.run_dir) / f"{recipe}-seed{seed}"),
         minutes=args.minutes, seed=seed, curve_points=args.curve_points, max_turns=args.max_turns,
-        workers=args.workers, rl_options=json.loads(args.rl_options),
+        workers=args.workers, rl_options=json.loads(args.rl_options), sft_lr=args.sft_lr,
     )
 
 
 def run_and_evaluate(recipe: str, seed: int, args: argparse.Namespace, start_curve: float | None) -> tuple:
     """Run one recipe, evaluate its final checkpoint and its curve points; returns (RecipeResult, RecipeRun)."""
-    run = run_recipe(recipe_config(recipe, seed, args))
+    config = recipe_config(recipe, seed, args)
+    run = recipe_load(config) if args.reuse_finished else None
+    if run is None:
+        run = run_recipe(config)
+        recipe_save(run)
+    else:
+        print(f"{recipe} seed {seed}: reusing the finished run in {config.run_dir}")
     final = final_evaluation(recipe, run.final_checkpoint, args)
     curve = [[0.0, start_curve]] if start_curve is not None else []
     for point in run.curve:
@@ -164,7 +178,6 @@ def run_and_evaluate(recipe: str, seed: int, args: argparse.Namespace, start_cur
             curve.append([round(point.minutes, 2), point.pass_at_1])
     result = RecipeResult(recipe=recipe, seed=seed, minutes=round(run.minutes, 2), steps=run.steps, final=final,
                           curve=curve, data=run.data)
-    (Path(run.config.run_dir) / "recipe.json").write_text(json.dumps(recipe_summary(run), indent=2, default=str))
     return result, run
 
 
@@ -208,6 +221,8 @@ def record_experiments(runs: list[tuple[RecipeResult, RecipeRun]], args: argpars
                 row["heldout_pass_at_1"] = by_step[row["step"]].pass_at_1
         config = {"recipe": result.recipe, **{k: v for k, v in asdict(run.config).items() if k != "recipe"},
                   "steps": run.steps}
+        if result.recipe == "rl":  # the driver's full config, so the comparison lists what differs from it
+            config["rl"] = json.loads(json.dumps(asdict(rl_config(run.config)), default=str))
         experiment = experiment_record(
             owner=owner, team=team, name=f"{result.recipe} seed {result.seed} ({args.minutes:g} min)", config=config,
             steps=rows, run_dir=run.config.run_dir, checkpoints=[(run.steps, run.final_checkpoint)] if run.steps else [],
@@ -244,7 +259,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-turn", type=int, default=None, help="default: AsyncRLConfig's")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the evaluations")
     parser.add_argument("--workers", type=int, default=4, help="sandboxes at once while an SFT recipe makes data")
+    parser.add_argument("--sft-lr", type=float, default=RecipeConfig.sft_lr,
+                        help="lr of the SFT recipes (after a 10-step warmup, constant)")
     parser.add_argument("--rl-options", default="{}", help='JSON of AsyncRLConfig overrides, e.g. {"rollout_workers": 2}')
+    parser.add_argument("--reuse-finished", action="store_true",
+                        help="a recipe whose run directory already holds a finished run with these settings is "
+                             "evaluated again, not rerun (e.g. --seeds 0 1 2 after the three-recipe run, same --run-dir)")
     parser.add_argument("--resamples", type=int, default=10_000, help="paired bootstrap resamples")
     parser.add_argument("--record-owner", default=None, help="store each recipe as a finished experiment of this user")
     parser.add_argument("--record-team", default=None, help="with --record-owner: share them with this team of theirs")

@@ -82,6 +82,22 @@ def test_recipe_config_checks_and_the_documented_rl_recipe(tmp_path, policy_chec
     assert config.time_budget_minutes == 60 and config.seed == 2 and config.rollout_workers == 2
 
 
+def test_a_finished_recipe_is_saved_and_reused_only_with_the_same_settings(tmp_path, policy_checkpoint):
+    from training.bench.recipes import CurvePoint, RecipeRun, recipe_load, recipe_save
+
+    config = RecipeConfig(recipe="rft", init_checkpoint=policy_checkpoint, run_dir=str(tmp_path), minutes=60)
+    assert recipe_load(config) is None
+    run = RecipeRun(config=config, final_checkpoint="/c/final", minutes=61.5, steps=2,
+                    curve=[CurvePoint(minutes=30.0, checkpoint="/c/1", step=1, pass_at_1=0.5)],
+                    rows=[{"step": 1, "loss": 1.0, "minutes": 29.0}, {"step": 2, "loss": 0.9, "minutes": 61.0}],
+                    data={"tried": 40, "trajectories": 12})
+    recipe_save(run)
+    assert recipe_load(config) == run
+    other = RecipeConfig(recipe="rft", init_checkpoint=policy_checkpoint, run_dir=str(tmp_path), minutes=30)
+    with pytest.raises(ValueError, match="other settings"):
+        recipe_load(other)
+
+
 def test_the_loop_stops_at_its_time_budget(tmp_path, policy_checkpoint):
     from training.train.loop import LoopConfig, OptimizerConfig, TrainConfigError
     from training.train.sft import SFTConfig, sft

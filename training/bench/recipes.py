@@ -54,8 +54,12 @@ class RecipeConfig:
     curve_points: int = 4
     """Checkpoints kept at even fractions of the budget, evaluated for the pass@1-against-minutes curve."""
 
-    sft_lr: float = 5e-4
-    """Constant lr of the SFT rounds (stop 19's SFT of models/sft used 5e-4)."""
+    sft_lr: float = 1e-4
+    """lr of the SFT rounds after the warmup, held constant. models/sft's last SFT (stop 19) decayed from 5e-4
+    to 5e-5; restarting at its peak undid ~20 points of held-out pass@1 in the 3-minute smoke run."""
+
+    sft_warmup_steps: int = 10
+    """Linear lr warmup of the recipe's SFT (once: later rounds resume its optimizer)."""
 
     sft_batch_size: int = 4
     """Sequences per SFT step."""
@@ -266,10 +270,13 @@ def _generate_until(config: RecipeConfig, deadline: float, checkpoint: str, next
             return made
 
 
-def _sft_round(config: RecipeConfig, *, index: int, checkpoint: str, trajectories: list[list[dict]],
-               deadline: float, rows: list[dict], started: float) -> str:
-    """SFT from `checkpoint` on every trajectory so far (written to the round's JSONL) until `deadline`;
-    appends its step rows (recipe-wide step numbers, recipe minutes); returns the round's checkpoint."""
+def _sft_round(config: RecipeConfig, *, index: int, new: list[list[dict]], data_files: list[str], deadline: float,
+               rows: list[dict], started: float, data: dict) -> str:
+    """SFT on every trajectory so far (this round's `new` ones are written to its JSONL and added to `data_files`)
+    until `deadline`, resuming the recipe's one SFT run (weights, AdamW moments, step count; the first round starts from config.init_checkpoint);
+    appends its step rows (recipe minutes); returns the round's checkpoint. The loop's clock starts after
+    loading and tokenizing, so the budget given leaves out the preparation the previous round took
+    (data["sft_prep_s"]), and the round ends near `deadline`."""
     import json
 
     from training.train.loop import LoopConfig, OptimizerConfig
@@ -278,22 +285,26 @@ def _sft_round(config: RecipeConfig, *, index: int, checkpoint: str, trajectorie
     round_dir = Path(config.run_dir) / f"round-{index + 1}"
     round_dir.mkdir(parents=True, exist_ok=True)
     data_file = round_dir / "trajectories.jsonl"
-    data_file.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in trajectories))
-    offset = len(rows)
+    data_file.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in new))
+    data_files.append(str(data_file))
+
+    called, first = time.monotonic(), [True]
 
     def on_step(metrics: dict) -> None:
-        rows.append({**metrics, "step": offset + metrics["step"], "minutes": (time.monotonic() - started) / 60,
-                     "trajectories": len(trajectories)})
+        if first.pop() if first else False:
+            data["sft_prep_s"] = time.monotonic() - called - metrics["step_seconds"]
+        rows.append({**metrics, "minutes": (time.monotonic() - started) / 60, "data_files": len(data_files)})
 
     result = sft(
         SFTConfig(
-            run_dir=str(round_dir / "sft"), init_checkpoint=checkpoint, jsonl_files=(str(data_file),),
+            run_dir=str(Path(config.run_dir) / "sft"), init_checkpoint=config.init_checkpoint,
+            jsonl_files=tuple(data_files),
             max_seq_len=config.max_seq_len,
             loop=LoopConfig(
                 steps=1_000_000, batch_size=config.sft_batch_size, micro_batch_size=min(2, config.sft_batch_size),
                 seed=config.seed, checkpoint_every=0, keep_checkpoints=1,
-                time_budget_s=max(1.0, deadline - time.monotonic()),
-                optimizer=OptimizerConfig(lr=config.sft_lr, warmup_steps=0, min_lr_ratio=1.0),
+                time_budget_s=max(1.0, deadline - called - data.get("sft_prep_s", 0.0)),
+                optimizer=OptimizerConfig(lr=config.sft_lr, warmup_steps=config.sft_warmup_steps, min_lr_ratio=1.0),
             ),
         ),
         on_step=on_step,
@@ -311,27 +322,52 @@ def _run_sft_rounds(config: RecipeConfig) -> RecipeRun:
         cursor[0] += count
         return seeds
 
-    checkpoint, trajectories, curve, rows, data = config.init_checkpoint, [], [], [], {}
+    checkpoint, made, data_files, curve, rows, data = config.init_checkpoint, 0, [], [], [], {}
     for index in range(config.curve_points):
         round_end = started + config.minutes * 60 * (index + 1) / config.curve_points
         round_seconds = max(1.0, round_end - time.monotonic())
-        trajectories += _generate_until(config, time.monotonic() + config.data_share * round_seconds, checkpoint,
-                                        next_seed, data)
-        if not trajectories:
+        new = _generate_until(config, time.monotonic() + config.data_share * round_seconds, checkpoint, next_seed, data)
+        made += len(new)
+        if not new and not data_files:  # nothing passed yet (rejection sampling of a weak policy): only sampled
             curve.append(CurvePoint(minutes=(time.monotonic() - started) / 60, checkpoint=checkpoint, step=len(rows)))
-            continue  # nothing passed yet (rejection sampling of a weak policy): the round only sampled
-        checkpoint = _sft_round(config, index=index, checkpoint=checkpoint, trajectories=trajectories,
-                                deadline=round_end, rows=rows, started=started)
+            continue
+        # With nothing new (no rollout passed this round) the round trains on what earlier rounds kept.
+        checkpoint = _sft_round(config, index=index, new=new, data_files=data_files, deadline=round_end,
+                                rows=rows, started=started, data=data)
         target = Path(config.run_dir) / "curve" / f"point-{index + 1}"
         curve.append(CurvePoint(minutes=(time.monotonic() - started) / 60,
                                 checkpoint=_copy_model(Path(checkpoint), target), step=len(rows)))
-    data["trajectories"] = len(trajectories)
+    data["trajectories"] = made
     return RecipeRun(config=config, final_checkpoint=curve[-1].checkpoint, minutes=(time.monotonic() - started) / 60,
                      steps=len(rows), curve=curve, rows=rows, data=data)
 
 
-def recipe_summary(run: RecipeRun) -> dict:
-    """The run as JSON (rows left out: they are in the recipe's experiment and its run_dir)."""
+SUMMARY_FILE, ROWS_FILE = "recipe.json", "rows.jsonl"
+
+
+def recipe_save(run: RecipeRun) -> None:
+    """The finished run in its run_dir: recipe.json (config, checkpoints, curve, data) and rows.jsonl."""
+    import json
+
     summary = asdict(run)
-    summary.pop("rows")
-    return summary
+    rows = summary.pop("rows")
+    directory = Path(run.config.run_dir)
+    (directory / ROWS_FILE).write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
+    (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+
+
+def recipe_load(config: RecipeConfig) -> RecipeRun | None:
+    """The finished run `recipe_save` left in config.run_dir, or None; refused when it ran other settings."""
+    import json
+
+    directory = Path(config.run_dir)
+    if not (directory / SUMMARY_FILE).is_file() or not (directory / ROWS_FILE).is_file():
+        return None
+    summary = json.loads((directory / SUMMARY_FILE).read_text())
+    stored = RecipeConfig(**summary["config"])
+    if stored != config:
+        raise ValueError(f"{directory} holds a run with other settings ({stored}); give another run_dir")
+    rows = [json.loads(line) for line in (directory / ROWS_FILE).read_text().splitlines() if line.strip()]
+    curve = [CurvePoint(**point) for point in summary["curve"]]
+    return RecipeRun(config=stored, final_checkpoint=summary["final_checkpoint"], minutes=summary["minutes"],
+                     steps=summary["steps"], curve=curve, rows=rows, data=summary["data"])
