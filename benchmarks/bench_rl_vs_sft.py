@@ -6,11 +6,14 @@ trajectories, (c) ``rft`` rejection-sampling fine-tuning on the policy's own pas
 held-out pass@1 and pass@k (--heldout tasks x --attempts) of the start and of every recipe's final
 checkpoint, with paired bootstrap intervals (and McNemar's exact test of pass@k) of every pair, and
 held-out pass@1 of each recipe's curve checkpoints against its minutes (--curve-heldout tasks, one
-attempt each); the plot is written as SVG.
+attempt each). Writes RUN_DIR/recipes_report.json (seeds_report.json with --seeds) and the plot as SVG
+(recipes_heldout_pass_at_1.svg / seeds_heldout_pass_at_1.svg); each recipe's checkpoints, curve checkpoints,
+recipe.json and rows.jsonl are under RUN_DIR/<recipe>-seed<N>/.
 
-    # the measurement (a quiet machine; ~3 x 60 min + evaluations, then 3 x 60 min for the seeds):
+    # the measurement (a quiet machine; ~3 x 60 min + evaluations, then 2 x 60 min more for the seeds,
+    # seed 0's RL run reused; docs/notebook/2026-11-29c-issue-50.md has the full sequence):
     .venv/bin/python benchmarks/bench_rl_vs_sft.py --minutes 60 --seed 0 --run-dir var/runs/rl-vs-sft
-    .venv/bin/python benchmarks/bench_rl_vs_sft.py --minutes 60 --seeds 0 1 2 --run-dir var/runs/rl-seeds
+    .venv/bin/python benchmarks/bench_rl_vs_sft.py --minutes 60 --seeds 0 1 2 --reuse-finished --run-dir var/runs/rl-vs-sft
     # a smoke run (figures of no meaning): every stage at a tiny budget
     .venv/bin/python benchmarks/bench_rl_vs_sft.py --minutes 3 --heldout 10 --attempts 2 --curve-points 2 \\
         --curve-heldout 5 --run-dir var/runs/rl-vs-sft-smoke
@@ -168,7 +171,8 @@ def run_and_evaluate(recipe: str, seed: int, args: argparse.Namespace, start_cur
         run = run_recipe(config)
         recipe_save(run)
     else:
-        print(f"{recipe} seed {seed}: reusing the finished run in {config.run_dir}")
+        print(f"{recipe} seed {seed}: reusing the finished run in {config.run_dir} (not recorded again)")
+        args.reused.add(config.run_dir)
     final = final_evaluation(recipe, run.final_checkpoint, args)
     curve = [[0.0, start_curve]] if start_curve is not None else []
     for point in run.curve:
@@ -214,6 +218,8 @@ def record_experiments(runs: list[tuple[RecipeResult, RecipeRun]], args: argpars
     team = owner.teams.get(name=args.record_team) if args.record_team else None
     ids = []
     for result, run in runs:
+        if run.config.run_dir in args.reused:
+            continue
         rows = [dict(row) for row in run.rows]
         by_step = {point.step: point for point in run.curve if point.pass_at_1 is not None}
         for row in rows:
@@ -269,6 +275,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--record-owner", default=None, help="store each recipe as a finished experiment of this user")
     parser.add_argument("--record-team", default=None, help="with --record-owner: share them with this team of theirs")
     args = parser.parse_args()
+    args.reused = set()
     if args.max_tokens_per_turn is None:
         from training.rollout.config import AsyncRLConfig
 
@@ -314,7 +321,7 @@ def main() -> None:
     for evaluation, result in zip(evaluations[1:], results, strict=True):
         evaluation.name = f"{result.recipe}-seed{result.seed}"
     report = {
-        "settings": {key: value for key, value in vars(args).items()},
+        "settings": {key: value for key, value in vars(args).items() if key != "reused"},
         "load_average_at_start_and_end": [load_at_start, os.getloadavg()],
         "start": asdict(start) | {"per_task": None},
         "results": [asdict(result) | {"final": asdict(result.final) | {"per_task": None}} for result in results],
@@ -322,12 +329,13 @@ def main() -> None:
         "seed_spread": asdict(seed_spread("rl", results)) if args.seeds else None,
         "total_minutes": round((time.monotonic() - started) / 60, 1),
     }
-    plot(results, run_dir / "heldout_pass_at_1.svg", args)
+    name = "seeds" if args.seeds else "recipes"
+    plot(results, run_dir / f"{name}_heldout_pass_at_1.svg", args)
     if args.record_owner:
         report["experiments"] = record_experiments(finished, args)
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (run_dir / f"{name}_report.json").write_text(json.dumps(report, indent=2, default=str))
     print_report(report)
-    print(f"report: {run_dir / 'report.json'}; plot: {run_dir / 'heldout_pass_at_1.svg'}")
+    print(f"report: {run_dir / f'{name}_report.json'}; plot: {run_dir / f'{name}_heldout_pass_at_1.svg'}")
 
 
 if __name__ == "__main__":
