@@ -270,8 +270,7 @@ def train_supervised(
     experts = [parameter for _, parameter in expert_parameters(model)]
     per_rank = config.batch_size // context.world_size
     history: list[dict[str, Any]] = []
-    final_checkpoint = None
-    deadline = None if config.time_budget_s is None else time.monotonic() + config.time_budget_s
+    final_checkpoint, deadline = None, _deadline(config)
     for step in range(resumed_from, config.steps):
         started = time.perf_counter()
         model.train()
@@ -440,14 +439,16 @@ def _save(
     )
 
 
+def _deadline(config: LoopConfig) -> float | None:
+    """When this invocation's time budget ends (time.monotonic), or None without one."""
+    return None if config.time_budget_s is None else time.monotonic() + config.time_budget_s
+
+
 def _out_of_time(deadline: float | None, context: DistributedContext) -> bool:
-    """The main rank's clock decides, broadcast so that every rank stops at the same step."""
+    """True on every rank once any rank's clock passed the deadline, so that all ranks stop at the same step."""
     if deadline is None:
         return False
-    flag = torch.tensor([1.0 if time.monotonic() >= deadline else 0.0])
-    if context.world_size > 1 and torch.distributed.is_initialized():
-        torch.distributed.broadcast(flag, src=0)
-    return bool(flag.item())
+    return all_reduce_sum(1.0 if time.monotonic() >= deadline else 0.0, context) > 0
 
 
 def _maybe_no_sync(model: torch.nn.Module, sync: bool):
