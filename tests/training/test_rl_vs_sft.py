@@ -114,8 +114,10 @@ def test_the_loop_stops_at_its_time_budget(tmp_path, policy_checkpoint):
                            max_seq_len=2048, loop=LoopConfig(steps=100_000, batch_size=2, micro_batch_size=2,
                                                              checkpoint_every=0, time_budget_s=2.0,
                                                              optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0))))
-    assert time.monotonic() - started < 60
     assert 1 <= len(result.history) < 100_000
+    # Every step but the last began before the 2-second deadline (whatever the machine's load).
+    assert sum(row["step_seconds"] for row in result.history[:-1]) < 2.0
+    assert time.monotonic() - started < 600
     assert result.final_checkpoint is not None and Path(result.final_checkpoint).name.endswith(
         f"{len(result.history):08d}")
 
