@@ -25,7 +25,7 @@ def _record(owner) -> list[int]:
         connection.close()
 
 
-def test_select_two_runs_and_see_two_series(owner, asgi_server):
+def test_select_two_runs_and_see_two_series(owner, asgi_server, tmp_path):
     # Playwright's sync API runs an event loop in this thread, so the ORM call goes to another one.
     with ThreadPoolExecutor(max_workers=1) as pool:
         first, second = pool.submit(_record, owner).result(timeout=60)
@@ -47,3 +47,4 @@ def test_select_two_runs_and_see_two_series(owner, asgi_server):
         assert page.evaluate("window.flowstateCompareCharts.pass_rate.getOption().series[1].data[3]") == [6, 0.2]
         assert page.evaluate("window.flowstateCompareCharts.pass_rate.getOption().xAxis[0].name") == "minutes"
         assert "lr" in page.locator("#config-differences").inner_text()
+        page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
