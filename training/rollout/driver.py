@@ -254,7 +254,9 @@ class AsyncRun:
         new_version = version + 1
         self.state.counted_groups.update(group[0].request.group_id for group in [*groups, *abandoned])
         metrics = self._metrics(new_version, groups=groups, abandoned=abandoned, update=update)
-        metrics.update(guided_groups=len(guides), guide_failures=len(guide_failures))
+        metrics.update(
+            guided_groups=len(guides), guide_failures=len(guide_failures), training_seconds=self.training_seconds()
+        )
         # The update's stage covers what the learner thread did for it: expert guides, advantages, the steps.
         metrics["stage_seconds"]["update"] = time.monotonic() - update_started
         rows = _rollout_rows(

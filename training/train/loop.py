@@ -142,6 +142,11 @@ class LoopConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
 
+    time_budget_s: float | None = None
+    """Stop (with a checkpoint) once this invocation has trained this many wall-clock seconds, even
+    before `steps`; None runs to `steps`. The lr schedule still counts `steps` (equal-compute
+    comparisons, benchmarks/bench_rl_vs_sft.py, give a constant lr and a large `steps`)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
             self.optimizer = OptimizerConfig(**self.optimizer)
@@ -149,6 +154,8 @@ class LoopConfig:
             raise TrainConfigError("steps, batch_size and micro_batch_size must be positive.")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise TrainConfigError("checkpoint_every must be >= 0 and keep_checkpoints >= 1.")
+        if self.time_budget_s is not None and not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
+            raise TrainConfigError(f"time_budget_s must be a positive number of seconds, got {self.time_budget_s}.")
 
     def validate_for(self, context: DistributedContext) -> None:
         per_rank, remainder = divmod(self.batch_size, context.world_size)
@@ -261,10 +268,9 @@ def train_supervised(
     )
     trained = wrap_data_parallel(model, context=context)
     experts = [parameter for _, parameter in expert_parameters(model)]
-
     per_rank = config.batch_size // context.world_size
     history: list[dict[str, Any]] = []
-    final_checkpoint = None
+    final_checkpoint, deadline = None, _deadline(config)
     for step in range(resumed_from, config.steps):
         started = time.perf_counter()
         model.train()
@@ -298,7 +304,7 @@ def train_supervised(
             _append_metrics(run_dir, metrics)
         if on_step is not None:
             on_step(metrics)
-        is_last = step + 1 == config.steps
+        is_last = step + 1 == config.steps or _out_of_time(deadline, context)
         if is_last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
             final_checkpoint = _save(
                 model=model,
@@ -314,6 +320,8 @@ def train_supervised(
                 config=config,
                 context=context,
             )
+        if is_last:
+            break
     if final_checkpoint is None and context.is_main:
         final_checkpoint = latest_checkpoint(run_dir)
     return TrainResult(run_dir=run_dir, final_checkpoint=final_checkpoint, history=history, resumed_from_step=resumed_from)
@@ -429,6 +437,18 @@ def _save(
         metrics=metrics,
         keep_last=config.keep_checkpoints,
     )
+
+
+def _deadline(config: LoopConfig) -> float | None:
+    """When this invocation's time budget ends (time.monotonic), or None without one."""
+    return None if config.time_budget_s is None else time.monotonic() + config.time_budget_s
+
+
+def _out_of_time(deadline: float | None, context: DistributedContext) -> bool:
+    """True on every rank once any rank's clock passed the deadline, so that all ranks stop at the same step."""
+    if deadline is None:
+        return False
+    return all_reduce_sum(1.0 if time.monotonic() >= deadline else 0.0, context) > 0
 
 
 def _maybe_no_sync(model: torch.nn.Module, sync: bool):

@@ -33,7 +33,11 @@ DASHBOARD_SERIES = (
     ("kl_to_reference", "KL to the starting policy (nats per trained token; with kl_coef > 0)"),
     ("rollouts_per_s", "Rollouts / s"),
     ("worker_utilization", "Worker utilisation"),
+    ("heldout_pass_at_1", "Held-out pass@1 (recorded recipe runs: benchmarks/bench_rl_vs_sft.py)"),
+    ("loss", "Loss (GRPO policy loss; next-token cross-entropy of recorded SFT recipes)"),
 )
+COMPARE_MAX_EXPERIMENTS = 8
+"""Most experiments one comparison plots (each brings every step row of its run)."""
 
 
 def experiment_group_name(*, experiment_id: int) -> str:
@@ -173,3 +177,91 @@ def checkpoint_choices(*, user) -> dict[str, str]:
             "experiment_id", "step", "path")[:500]:
         choices[f"experiment-{experiment_id}-step-{step}"] = path
     return choices
+
+
+def compare_ids_check(raw: list[str]) -> list[int]:
+    """The experiment ids of a comparison request: 2 to COMPARE_MAX_EXPERIMENTS distinct positive integers."""
+    from django.core.exceptions import ValidationError
+
+    ids: list[int] = []
+    for text in raw:
+        if not text.isdigit() or len(text) > 12 or int(text) < 1:
+            raise ValidationError(f"experiment ids are positive integers, got {text[:20]!r}")
+        if int(text) not in ids:
+            ids.append(int(text))
+    if not 2 <= len(ids) <= COMPARE_MAX_EXPERIMENTS:
+        raise ValidationError(
+            f"select 2 to {COMPARE_MAX_EXPERIMENTS} experiments to compare (got {len(ids)} distinct ids)"
+        )
+    return ids
+
+
+def _flat_config(config: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _config_differences(experiments: list[Experiment]) -> list[dict]:
+    """Config fields whose values are not the same in every experiment (a missing field differs)."""
+    flats = [_flat_config(experiment.config if isinstance(experiment.config, dict) else {}) for experiment in experiments]
+    missing = object()
+    rows = []
+    for key in sorted(set().union(*flats)):
+        values = [flat.get(key, missing) for flat in flats]
+        if any(value != values[0] for value in values[1:]):
+            rows.append({"field": key, "values": ["—" if value is missing else value for value in values]})
+    return rows
+
+
+def _step_minutes(experiment: Experiment, rows: list[ExperimentStep]) -> list[float | None]:
+    """Minutes of the run at each step: the run's own clock when its rows carry one (``minutes``, or the
+    driver's ``training_seconds``), else when the step was recorded, from the experiment's start."""
+    start = experiment.started_at or (rows[0].recorded_at if rows else None)
+    minutes: list[float | None] = []
+    for row in rows:
+        metrics = row.metrics
+        if isinstance(metrics.get("minutes"), int | float):
+            minutes.append(float(metrics["minutes"]))
+        elif isinstance(metrics.get("training_seconds"), int | float):
+            minutes.append(float(metrics["training_seconds"]) / 60)
+        else:
+            minutes.append((row.recorded_at - start).total_seconds() / 60 if start else None)
+    return minutes
+
+
+def experiment_comparison(*, user, ids: list[int]) -> dict:
+    """Two or more visible experiments on one plot: per experiment its [step, minutes, value] series of
+    every dashboard metric it logged, and the config fields that differ, in id order. Any id the user may not see
+    (someone else's, unshared, or absent) is a 404 for the whole comparison: which ids exist is not told."""
+    from django.http import Http404
+
+    found = {experiment.pk: experiment for experiment in experiment_list(user=user).filter(pk__in=ids)}
+    if len(found) != len(ids):
+        raise Http404
+    experiments = [found[pk] for pk in sorted(ids)]  # oldest first, however the form ordered them
+    runs, plotted = [], set()
+    for experiment in experiments:
+        rows = list(ExperimentStep.objects.filter(experiment=experiment).order_by("step"))
+        minutes = _step_minutes(experiment, rows)
+        series = {}
+        for key, _ in DASHBOARD_SERIES:
+            points = [
+                [row.step, minute, row.metrics[key]]
+                for row, minute in zip(rows, minutes, strict=True)
+                if isinstance(row.metrics.get(key), int | float) and not isinstance(row.metrics.get(key), bool)
+            ]
+            if points:
+                series[key] = points
+                plotted.add(key)
+        runs.append({"id": experiment.pk, "name": experiment.name, "owner": experiment.owner.username,
+                     "status": experiment.status, "series": series})
+    return {
+        "runs": runs,
+        "metrics": [(key, label) for key, label in DASHBOARD_SERIES if key in plotted],
+        "config_differences": _config_differences(experiments),
+    }

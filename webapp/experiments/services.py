@@ -273,6 +273,72 @@ def _rollout_row_create(*, experiment: Experiment, row: dict, trace: dict) -> Ex
     )
 
 
+RECORD_MAX_STEPS = 20_000
+"""Most step rows one recorded run may bring (a 60-minute SFT recipe logs ~3,000)."""
+RECORD_MAX_CONFIG_CHARS = 20_000
+"""Longest JSON of a recorded run's config."""
+
+
+def _recorded_value_check(where: str, value: Any) -> None:
+    """JSON scalars (finite numbers, short strings), lists and dicts of them; anything else is refused."""
+    import math
+
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or len(key) > 200:
+                raise ValidationError({"steps": f"{where}: keys are strings of at most 200 characters"})
+            _recorded_value_check(f"{where}.{key}", item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _recorded_value_check(f"{where}[{index}]", item)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValidationError({"steps": f"{where} is {value}: recorded metrics must be finite numbers"})
+    elif isinstance(value, str) and len(value) > 2000:
+        raise ValidationError({"steps": f"{where}: strings of at most 2000 characters"})
+    elif value is not None and not isinstance(value, bool | int | float | str | dict | list):
+        raise ValidationError({"steps": f"{where}: {type(value).__name__} is not a JSON value"})
+
+
+@transaction.atomic
+def experiment_record(
+    *, owner, name: str, config: dict[str, Any], steps: list[dict[str, Any]], team=None, run_dir: str = "",
+    checkpoints: list[tuple[int, str]] = (), status_reason: str = "",
+) -> Experiment:
+    """Store a run that already happened outside the driver (a benchmark recipe, e.g. SFT at equal compute in
+    benchmarks/bench_rl_vs_sft.py) as a finished experiment with its step rows, so the dashboard and the
+    comparison view plot it beside launched ones. No monitor is enqueued and nothing is launched; the config
+    is stored as given (it need not be an AsyncRLConfig), so such an experiment is compared, not cloned."""
+    if team is not None and not owner.teams.filter(pk=team.pk).exists():
+        raise ValidationError({"team": f"you are not a member of the team '{team.name}'"})
+    name = (name or "").strip()
+    if not name:
+        raise ValidationError({"name": "give the experiment a name"})
+    if not isinstance(config, dict) or len(json.dumps(config, default=str)) > RECORD_MAX_CONFIG_CHARS:
+        raise ValidationError({"config": f"a JSON object of at most {RECORD_MAX_CONFIG_CHARS} characters"})
+    _recorded_value_check("config", config)
+    if not isinstance(steps, list) or len(steps) > RECORD_MAX_STEPS:
+        raise ValidationError({"steps": f"a list of at most {RECORD_MAX_STEPS} step rows"})
+    numbers = set()
+    for row in steps:
+        step = row.get("step") if isinstance(row, dict) else None
+        if type(step) is not int or step < 1 or step in numbers:
+            raise ValidationError({"steps": f"every row needs a distinct integer step >= 1, got {step!r}"})
+        numbers.add(step)
+        _recorded_value_check(f"step {step}", row)
+    now = timezone.now()
+    experiment = Experiment.objects.create(
+        owner=owner, team=team, name=name[:200], config=config, status=Experiment.Status.FINISHED,
+        status_reason=status_reason[:2000], run_dir=run_dir[:500], current_step=max(numbers, default=0),
+        started_at=now, finished_at=now,
+    )
+    ExperimentStep.objects.bulk_create(
+        ExperimentStep(experiment=experiment, step=row["step"], metrics=row) for row in steps
+    )
+    for step, path in checkpoints:
+        ExperimentCheckpoint.objects.create(experiment=experiment, step=int(step), path=str(path)[:500])
+    return experiment
+
+
 # --- benchmarks ------------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from webapp.experiments import views
 app_name = "experiments"
 urlpatterns = [
     path("", views.experiment_list_view, name="experiment-list"),
+    path("compare/", views.experiment_compare_view, name="experiment-compare"),
     path("benchmarks/", views.benchmark_leaderboard_view, name="benchmarks"),
     path("<int:pk>/", views.experiment_detail_view, name="experiment-detail"),
     path("<int:pk>/clone/", views.experiment_clone_view, name="experiment-clone"),

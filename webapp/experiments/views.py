@@ -18,6 +18,8 @@ from webapp.experiments.selectors import (
     DASHBOARD_SERIES,
     benchmark_leaderboard,
     benchmark_suites,
+    compare_ids_check,
+    experiment_comparison,
     experiment_dashboard_series,
     experiment_get,
     experiment_get_for_change,
@@ -59,6 +61,19 @@ def experiment_list_view(request):
         {"form": form, "experiments": experiment_list(user=request.user)[:100]},
         status=status,
     )
+
+
+@login_required
+def experiment_compare_view(request):
+    """Two or more experiments' curves on one plot (?ids=1&ids=2), x-axis step or minutes, with the
+    config fields that differ; ids the user may not see are a 404."""
+    try:
+        ids = compare_ids_check(request.GET.getlist("ids"))
+    except ValidationError as error:
+        messages.error(request, " ".join(error.messages))
+        return render(request, "experiments/experiment_compare.html", {"comparison": None}, status=400)
+    comparison = experiment_comparison(user=request.user, ids=ids)
+    return render(request, "experiments/experiment_compare.html", {"comparison": comparison})
 
 
 @login_required
