@@ -164,3 +164,28 @@ def test_sync_rl_loop_on_an_imported_model_runs_checkpoints_and_resumes(policy_d
     assert isinstance(tokenizer, HFTokenizer) and model.config.precision == "mxfp8"
     again = rl(dataclasses.replace(config, steps=3))
     assert [row["step"] for row in again] == [3]
+
+
+def test_ray_driver_on_an_imported_model_renders_with_its_template_and_checkpoints(policy_dir, tmp_path):
+    """The one driver (private local Ray): inference actors serve the imported model (MXFP8 experts) with its
+    own template, the learner checkpoints it with its tokenizer, and starting the finished run again resumes."""
+    from sandboxes.tools import openai_tool_schemas
+    from training.rollout.config import AsyncRLConfig
+    from training.rollout.driver import METRICS_FILE, read_jsonl, run_async_rl
+
+    config = AsyncRLConfig(
+        run_dir=str(tmp_path / "run"), init_checkpoint=str(policy_dir), precision="mxfp8", steps=2, tasks=2,
+        group_size=2, groups_per_step=1, max_staleness=0, rollout_workers=2, max_turns=1, max_tokens_per_turn=8,
+        context_tokens=8192, ray_num_cpus=1,
+    )
+    traces = []
+    history = run_async_rl(config, on_rollout=lambda row: traces.append(row["trace"]))
+    assert [row["step"] for row in history] == [1, 2] and len(traces) == 4
+    tokenizer = HFTokenizer.from_directory(policy_dir)
+    for trace in traces:
+        # One model call per rollout: its prompt is the model's own rendering of the system prompt and task.
+        prompt = tokenizer.chat.render(trace["messages"][:2], tools=openai_tool_schemas(), add_generation_prompt=True)
+        assert trace["prompt_tokens"] == len(tokenizer.encode(prompt))
+    model, tokenizer_again, _ = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002")
+    assert isinstance(tokenizer_again, HFTokenizer) and model.config.precision == "mxfp8"
+    assert run_async_rl(config) == [] and len(read_jsonl(tmp_path / "run" / METRICS_FILE)) == 2
