@@ -156,3 +156,22 @@ def test_checkpoint_of_an_imported_model_round_trips_its_files(policy_dir, tmp_p
     # Precision is the run's choice: MXFP8 experts on the same weights.
     mx, _, _ = load_checkpoint(saved, precision="mxfp8")
     assert mx.config.precision == "mxfp8" and torch.equal(mx.layers[0].feed_forward.w_gate, model.layers[0].feed_forward.w_gate)
+
+
+def test_export_command_writes_a_directory_transformers_loads(policy_dir, tmp_path):
+    from training.hf.policy import main
+
+    model, tokenizer, _ = load_checkpoint(policy_dir)
+    with torch.no_grad():
+        for parameter in model.parameters():  # a "trained" policy: not the imported weights any more
+            parameter.add_(0.01)
+    saved = save_checkpoint(tmp_path / "ckpt", model, tokenizer, {"source": "test"})
+    assert main([str(saved), str(tmp_path / "out")]) == 0
+    with pytest.raises(SystemExit):
+        main([str(saved), str(tmp_path / "out")])  # never over an existing export
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    batch = torch.tensor([tokenizer.encode(tokenizer.chat.render(conversation(), add_generation_prompt=False))[:120]])
+    with torch.no_grad():
+        ours = model(batch, compute_router_losses=False).logits
+        torch.testing.assert_close(reloaded(input_ids=batch).logits, ours, atol=1e-5, rtol=0)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == tokenizer.chat.template
