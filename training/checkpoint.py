@@ -1,5 +1,9 @@
 """Checkpoints: model.safetensors + config.json (model config and metadata) + tokenizer.json.
 
+A checkpoint of an imported Hugging Face model carries that model's own tokenizer files, chat template
+and config under hf/ instead of tokenizer.json (training.hf.policy), and load_checkpoint also reads a
+Hugging Face directory itself (a registered model) as the policy to start from.
+
 Files are written under temporary names and renamed into place, so a crash mid-save leaves the previous
 checkpoint readable; config.json is renamed last and marks the checkpoint complete.
 """
@@ -9,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -18,6 +23,9 @@ from safetensors.torch import load_model, save_model
 from training.model.config import ModelConfig
 from training.model.transformer import MoETransformer
 from training.tokenizer import TOKENIZER_FILE, BPETokenizer, default_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from training.hf.policy import HFTokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -31,10 +39,11 @@ class CheckpointError(ValueError):
 def save_checkpoint(
     directory: str | Path,
     model: MoETransformer,
-    tokenizer: BPETokenizer,
+    tokenizer: BPETokenizer | HFTokenizer,
     extra_meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write weights, tokenizer and config (+ JSON-serialisable extra_meta) into `directory`."""
+    """Write weights, tokenizer and config (+ JSON-serialisable extra_meta) into `directory`; an imported
+    model's tokenizer (training.hf.policy.HFTokenizer) is written with its template and config under hf/."""
     directory = Path(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(
@@ -42,6 +51,11 @@ def save_checkpoint(
             f"{model.config.vocab_size}; build the model with vocab_size >= {tokenizer.vocab_size}."
         )
     meta = dict(extra_meta or {})
+    hf_tokenizer = _is_hf_tokenizer(tokenizer)
+    if hf_tokenizer:
+        from training.hf.policy import TOKENIZER_KIND
+
+        meta["tokenizer"] = TOKENIZER_KIND
     try:
         json.dumps(meta)
     except TypeError as error:
@@ -50,7 +64,12 @@ def save_checkpoint(
     weights_tmp = directory / (WEIGHTS_FILE + ".tmp")
     save_model(model, str(weights_tmp), metadata={"format_version": str(FORMAT_VERSION)})
     tokenizer_tmp = directory / (TOKENIZER_FILE + ".tmp")
-    tokenizer_tmp.write_text(tokenizer.to_json())
+    if hf_tokenizer:
+        from training.hf.policy import HF_SUBDIR
+
+        tokenizer.save(directory / HF_SUBDIR)  # complete before config.json marks the checkpoint complete
+    else:
+        tokenizer_tmp.write_text(tokenizer.to_json())
     config_tmp = directory / (CONFIG_FILE + ".tmp")
     config_tmp.write_text(
         json.dumps(
@@ -60,7 +79,8 @@ def save_checkpoint(
         )
     )
     os.replace(weights_tmp, directory / WEIGHTS_FILE)
-    os.replace(tokenizer_tmp, directory / TOKENIZER_FILE)
+    if not hf_tokenizer:
+        os.replace(tokenizer_tmp, directory / TOKENIZER_FILE)
     os.replace(config_tmp, directory / CONFIG_FILE)
     return directory
 
@@ -81,16 +101,36 @@ def read_checkpoint_config(directory: str | Path) -> tuple[ModelConfig, dict[str
     return ModelConfig.from_dict(data["model"]), data.get("meta", {})
 
 
+def _is_hf_tokenizer(tokenizer: Any) -> bool:
+    from training.hf.policy import is_hf_tokenizer
+
+    return is_hf_tokenizer(tokenizer)
+
+
 def load_checkpoint(
-    directory: str | Path, *, device: str | torch.device = "cpu"
-) -> tuple[MoETransformer, BPETokenizer, dict[str, Any]]:
-    """Load (model in eval mode, tokenizer, meta) from a directory written by save_checkpoint."""
+    directory: str | Path, *, device: str | torch.device = "cpu", precision: str | None = None
+) -> tuple[MoETransformer, BPETokenizer | HFTokenizer, dict[str, Any]]:
+    """Load (model in eval mode, tokenizer, meta) from a directory written by save_checkpoint, or from a
+    Hugging Face model directory (weights in fp32, its tokenizer and chat template: training.hf.policy).
+
+    precision: numerics of the expert matmuls ("fp32", "bf16", "mxfp8"), None: the checkpoint's own.
+    """
+    from training.hf.policy import HF_SUBDIR, TOKENIZER_KIND, HFTokenizer, is_hf_directory, load_hf_policy
+
     directory = Path(directory)
+    if is_hf_directory(directory):
+        model, tokenizer, meta = load_hf_policy(directory, device=device, precision=precision)
+        return model.eval(), tokenizer, meta
     config, meta = read_checkpoint_config(directory)
+    if precision is not None:
+        config = replace(config, precision=precision)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{directory} has {CONFIG_FILE} but no {WEIGHTS_FILE}.")
-    tokenizer = load_tokenizer(directory)
+    if meta.get("tokenizer") == TOKENIZER_KIND:
+        tokenizer = HFTokenizer.from_directory(directory / HF_SUBDIR)
+    else:
+        tokenizer = load_tokenizer(directory)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
             f"{directory}: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "

@@ -141,9 +141,27 @@ class ChatModel:
         engine_config: EngineConfig | None = None,
         device: str | torch.device = "cpu",
         copy_constraint: bool = True,
+        precision: str | None = None,
     ) -> ChatModel:
-        model, tokenizer, meta = load_checkpoint(checkpoint_dir, device=device)
+        """Serve a checkpoint (or an imported model's directory); precision overrides the experts' numerics."""
+        model, tokenizer, meta = load_checkpoint(checkpoint_dir, device=device, precision=precision)
         name = str(meta.get("name") or Path(checkpoint_dir).resolve().name)
+        return cls.for_policy(model, tokenizer, name=name, engine_config=engine_config, copy_constraint=copy_constraint)
+
+    @classmethod
+    def for_policy(
+        cls, model: MoETransformer, tokenizer, *, name: str, engine_config: EngineConfig | None = None,
+        copy_constraint: bool = True,
+    ) -> ChatModel:
+        """The serving class for a policy: an imported model's tokenizer (training.hf.policy.HFTokenizer) gets
+        training.hf.serving.HFChatModel (its own template and tool-call syntax; the copy constraint works on
+        the built-in tokenizer only, so it is off), the built-in tokenizer this class."""
+        from training.hf.policy import is_hf_tokenizer
+
+        if is_hf_tokenizer(tokenizer):
+            from training.hf.serving import HFChatModel
+
+            return HFChatModel.from_model(model, tokenizer, name=name, engine_config=engine_config)
         return cls(model, tokenizer, name=name, engine_config=engine_config, copy_constraint=copy_constraint)
 
     @classmethod

@@ -58,6 +58,19 @@ class HFChatModel(ChatModel):
         super().__init__(model, None, name=name, engine_config=config, copy_constraint=False)
 
     @classmethod
+    def from_model(cls, model, tokenizer, *, name: str, engine_config: EngineConfig | None = None) -> HFChatModel:
+        """Serve an in-memory policy with an imported model's tokenizer (training.hf.policy.HFTokenizer): the
+        RL loops' rollout copy and the inference actors."""
+        chat_model = cls.__new__(cls)
+        chat_model.directory = None
+        chat_model.chat = tokenizer.chat
+        chat_model.hf_tokenizer = tokenizer.backend
+        chat_model.stop_ids = tuple(tokenizer.stop_token_ids)
+        config = engine_config or EngineConfig(max_seq_len=min(DEFAULT_CONTEXT, model.config.max_seq_len))
+        ChatModel.__init__(chat_model, model, None, name=name, engine_config=config, copy_constraint=False)
+        return chat_model
+
+    @classmethod
     def shared(cls, directory: str | Path, name: str | None = None) -> HFChatModel:  # type: ignore[override]
         """One HFChatModel per model directory per process, reloaded when its config.json changes."""
         path = Path(directory).resolve()

@@ -119,7 +119,8 @@ def task_for_group(config: AsyncRLConfig, group_index: int):
 class InferenceServer:
     """Body of the inference actor: a ChatModel whose weights carry a version number."""
 
-    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int, copy_constraint: bool = True) -> None:
+    def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int, copy_constraint: bool = True,
+                 precision: str | None = None) -> None:
         import torch
 
         from training.engine import EngineConfig
@@ -127,8 +128,11 @@ class InferenceServer:
         from training.train.state import latest_checkpoint, load_train_checkpoint
 
         torch.set_num_threads(1)
+        # An imported model (its directory, or a checkpoint carrying its tokenizer) is served with its own chat
+        # template and tool-call parser (training.hf.serving.HFChatModel), so rollouts render as it was trained.
         chat_model = ChatModel.load(
-            checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size), copy_constraint=copy_constraint
+            checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size), copy_constraint=copy_constraint,
+            precision=precision,
         )
         self.chat_model = chat_model
         self.version = 0
@@ -432,7 +436,8 @@ class ActorPool:
             num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD"
         )
         self.inference_actors = [
-            inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint)
+            inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint,
+                                 config.precision)
             for _ in range(config.inference_actors)
         ]
         config_data = dataclasses.asdict(config)

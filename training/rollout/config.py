@@ -35,6 +35,10 @@ if TYPE_CHECKING:  # torch-free at import time: the web process validates launch
     from training.train.rl import RLConfig
 
 
+EXPERT_PRECISIONS = ("fp32", "bf16", "mxfp8")
+"""training.model.config.PRECISIONS (not imported: this module stays torch-free)."""
+
+
 class AsyncRLConfigError(ValueError):
     """Contradictory settings of an asynchronous RL run; the message says how to fix them."""
 
@@ -46,7 +50,14 @@ class AsyncRLConfig:
     run_dir: str
     """Checkpoints, metrics.jsonl and rollouts.jsonl go here; starting again on it resumes the run."""
     init_checkpoint: str
-    """Policy checkpoint to start from (normally the SFT result)."""
+    """Policy checkpoint to start from (normally the SFT result), or an imported model's directory."""
+    policy_model: str | None = dataclasses.field(default=None, metadata={"group": "run", "advanced": False})
+    """A registered (imported Hugging Face) model to start from, chosen from the Models list; the web app
+    points init_checkpoint at its files. Its own chat template renders the rollouts and its family's syntax
+    parses their tool calls. Empty: start from init_checkpoint."""
+    precision: str | None = dataclasses.field(default=None, metadata={"group": "infrastructure", "advanced": True})
+    """Numerics of the policy's expert matmuls in the learner and the inference actors: "fp32", "bf16" or
+    "mxfp8" (block-scaled FP8: the model's widths must be multiples of 32). Empty keeps the checkpoint's."""
     steps: int = 10
     """Policy updates to run in total (a resumed run continues up to this number)."""
     tasks: int = 16
@@ -166,6 +177,8 @@ class AsyncRLConfig:
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
                 "extra inference actors would never get a request, lower inference_actors"
             )
+        if self.precision is not None and self.precision not in EXPERT_PRECISIONS:
+            raise AsyncRLConfigError(f"precision must be one of {EXPERT_PRECISIONS} or empty, got {self.precision!r}")
         if not Path(self.init_checkpoint).is_dir():
             raise AsyncRLConfigError(
                 f"init_checkpoint {self.init_checkpoint!r} is not a checkpoint directory; point it at a "
@@ -315,6 +328,7 @@ def update_config_for(config: AsyncRLConfig) -> RLConfig:
         max_turns=config.max_turns,
         max_tokens_per_turn=config.max_tokens_per_turn,
         optimizer=config.optimizer_config,
+        precision=config.precision,
     )
 
 

@@ -138,6 +138,7 @@ class AsyncRun:
         on_step: Callable[[dict], None] | None = None,
         on_rollout: Callable[[dict], None] | None = None,
     ) -> None:
+        from training.hf.policy import is_hf_tokenizer
         from training.train.learner import Learner
 
         self.config = config
@@ -151,6 +152,11 @@ class AsyncRun:
             update_config_for(config),
             time_fraction=None if self.budget_seconds is None else lambda: self.training_seconds() / self.budget_seconds,
         )
+        if config.expert_guidance and is_hf_tokenizer(self.learner.tokenizer):
+            # The scripted expert's trajectories are scored through the built-in chat format and tokenizer.
+            raise AsyncRLConfigError(
+                "expert_guidance works with the built-in model's tokenizer only; turn it off for an imported model"
+            )
         # The budget's clock starts once the policy is loaded (loading it is not training): the first
         # update's lr is the schedule's value at 0, as the schedule was built before the clock ran.
         self.state.started_at, self.clock_started = time.monotonic(), True

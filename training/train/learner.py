@@ -58,7 +58,8 @@ class UpdateResult:
 
 
 class Learner:
-    """The policy under training, loaded from config.init_checkpoint, with its optimizer and lr schedule.
+    """The policy under training, loaded from config.init_checkpoint (a checkpoint, or an imported Hugging Face
+    model's directory: its tokenizer is then a training.hf.policy.HFTokenizer), with its optimizer and lr schedule.
 
     time_fraction: share of a wall-clock budget spent, for a schedule whose decay follows the clock too
     (training.train.loop.build_scheduler).
@@ -66,7 +67,7 @@ class Learner:
 
     def __init__(self, config: RLConfig, *, time_fraction: Callable[[], float] | None = None) -> None:
         self.config = config
-        self.model, self.tokenizer, _ = load_checkpoint(config.init_checkpoint)
+        self.model, self.tokenizer, _ = load_checkpoint(config.init_checkpoint, precision=config.precision)
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_schedule = build_scheduler(
@@ -195,7 +196,7 @@ def reference_model_load(config: RLConfig) -> MoETransformer | None:
     """
     if config.grpo.kl_coef == 0:
         return None
-    reference, _, _ = load_checkpoint(config.init_checkpoint)
+    reference, _, _ = load_checkpoint(config.init_checkpoint, precision=config.precision)
     reference.eval()
     reference.requires_grad_(False)
     return reference

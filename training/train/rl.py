@@ -144,6 +144,9 @@ class RLConfig:
     keep_checkpoints: int = 2
     """Newest checkpoints kept."""
 
+    precision: str | None = None
+    """Numerics of the policy's expert matmuls ("fp32", "bf16", "mxfp8"); None keeps the checkpoint's."""
+
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """Loss: clipping, normalisation, advantage and length-penalty settings."""
 
@@ -206,7 +209,8 @@ def rl(
     for name in (METRICS_FILE, ROLLOUTS_FILE):
         truncate_jsonl(run_dir / name, max_step=start_step)
     rollouts_per_step = config.tasks_per_step * config.group_size
-    chat_model = ChatModel(
+    # An imported model's tokenizer gets its own chat template and tool-call syntax (training.hf.serving).
+    chat_model = ChatModel.for_policy(
         copy.deepcopy(learner.model), learner.tokenizer, name="rl-policy",
         engine_config=EngineConfig(max_batch_size=rollouts_per_step),
     )

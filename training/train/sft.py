@@ -12,7 +12,8 @@ expert of training.train.scripted_expert, run through the real agent loop in rea
 tasks. Each trajectory is rendered with the same chat template and tool schemas the served model
 sees (training.chat_format + sandboxes.tools.openai_tool_schemas); tokens of assistant completions
 (text, tool-call block, end-of-turn) are trained, everything else (system, user, tool output) is
-context only.
+context only. An init_checkpoint of an imported model (a Hugging Face directory or a checkpoint of one)
+renders with that model's own chat template instead (training.hf.sft).
 
 Exact resume (same run_dir) assumes the same trajectories: the expert and JSONL sources are
 deterministic, but database rows recorded between the two invocations change the data set.
@@ -148,6 +149,17 @@ def tokenize_trajectory(
     return TokenizedExample(token_ids=token_ids, trainable=trainable)
 
 
+def _tokenize(*, messages, tools, tokenizer, context_loss: bool) -> TokenizedExample:
+    """An imported model's conversations go through its own chat template (training.hf.sft)."""
+    from training.hf.policy import is_hf_tokenizer
+
+    if is_hf_tokenizer(tokenizer):
+        from training.hf.sft import tokenize_hf_trajectory
+
+        return tokenize_hf_trajectory(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=context_loss)
+    return tokenize_trajectory(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=context_loss)
+
+
 def load_jsonl_trajectories(path: str | Path) -> list[list[dict]]:
     trajectories = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
@@ -224,7 +236,7 @@ def sft(
     trajectories = trajectories if trajectories is not None else collect_trajectories(config)
     tools = openai_tool_schemas()
     examples = [
-        tokenize_trajectory(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=config.context_loss)
+        _tokenize(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=config.context_loss)
         for messages in trajectories
     ]
     data = MaskedExamples(

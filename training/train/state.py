@@ -4,7 +4,7 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-00000042/` holding
 
     model.safetensors      \
     config.json             > a training.checkpoint directory: loadable by load_checkpoint / ChatModel
-    tokenizer.json         /
+    tokenizer.json         /   (an imported model's: hf/ with its tokenizer files, template and HF config)
     optimizer.pt           optimizer.state_dict()  (tensors and numbers only: loads with weights_only)
     scheduler.pt           lr scheduler state_dict()
     rng.pt                 torch CPU (and CUDA) generator states
@@ -25,7 +25,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from safetensors.torch import load_model
 from training.checkpoint import WEIGHTS_FILE, save_checkpoint
 from training.model.transformer import MoETransformer
 from training.tokenizer import BPETokenizer
+
+if TYPE_CHECKING:
+    from training.hf.policy import HFTokenizer
 
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -95,7 +98,7 @@ def save_train_checkpoint(
     run_dir: str | Path,
     step: int,
     model: MoETransformer,
-    tokenizer: BPETokenizer,
+    tokenizer: BPETokenizer | HFTokenizer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     data_position: dict[str, Any],
@@ -127,8 +130,9 @@ def save_train_checkpoint(
         "metrics": metrics or {},
     }
     (partial / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
-    for file in partial.iterdir():
-        _fsync_file(file)
+    for file in partial.rglob("*"):  # an imported model's tokenizer files sit in hf/
+        if file.is_file():
+            _fsync_file(file)
     final = checkpoint_dir(run_dir, step)
     if final.exists():
         # Re-saving a step (e.g. a resumed run that saves on exit): move the old one aside first,

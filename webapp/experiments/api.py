@@ -50,12 +50,21 @@ class ExperimentOutput(serializers.ModelSerializer):
         )
 
 
+class ExperimentConfigField(TypedConfigField):
+    """The launch config, checked for the requesting user: the registered checkpoints and models they may use."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(check=self._check_for_user, **kwargs)
+
+    def _check_for_user(self, data: dict) -> dict:
+        request = self.context.get("request")
+        return experiment_config_check(data, owner=getattr(request, "user", None))
+
+
 class ExperimentListApi(APIView):
     class Input(InputSerializer):
         name = serializers.CharField(max_length=200)
-        config = TypedConfigField(
-            check=experiment_config_check, help_text="AsyncRLConfig fields; each has a type and a range."
-        )
+        config = ExperimentConfigField(help_text="AsyncRLConfig fields; each has a type and a range.")
         team = TeamNameField()
 
     @extend_schema(summary="Experiments visible to you", responses={200: ExperimentOutput(many=True)})

@@ -20,6 +20,24 @@ _FIELD_TYPES = {
 }
 
 
+def _policy_model_choices(user) -> list[tuple[str, str]]:
+    """The registered models the user may start a run from (never a typed path)."""
+    from webapp.registry.selectors import registered_models_visible_to
+
+    models = registered_models_visible_to(user=user).values_list("name", "family")
+    return [("", "— none: start from init_checkpoint —"), *((name, f"{name} ({family})") for name, family in models)]
+
+
+def _precision_choices(user) -> list[tuple[str, str]]:
+    from training.rollout.config import EXPERT_PRECISIONS
+
+    return [("", "— the checkpoint's own —"), *((name, name) for name in EXPERT_PRECISIONS)]
+
+
+_CHOICE_FIELDS = {"policy_model": _policy_model_choices, "precision": _precision_choices}
+"""Config fields chosen from a list, with the function giving a user's choices."""
+
+
 class ExperimentForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="Shown in lists and on every trace of the run.")
     share_with_team = forms.ModelChoiceField(
@@ -40,11 +58,16 @@ class ExperimentForm(forms.Form):
             options = {"help_text": spec["help"], "initial": default, "label": spec["name"]}
             # A field left empty takes the config's default, so only fields without one are required.
             if (
-                field_class is forms.BooleanField
+                spec["name"] == "init_checkpoint"  # empty: the configured default, or the chosen policy_model's
+                or field_class is forms.BooleanField
                 or spec["default"] is not None
                 or spec["type"].endswith("| None")
             ):
                 options["required"] = False
+            if spec["name"] in _CHOICE_FIELDS:
+                options.update(required=False, choices=_CHOICE_FIELDS[spec["name"]](user))
+                self.fields[spec["name"]] = forms.ChoiceField(**options)
+                continue
             if field_class is forms.CharField:
                 options["max_length"] = MAX_STRING_CHARS
             self.fields[spec["name"]] = field_class(**options)

@@ -76,6 +76,30 @@ def checkpoint_from_choices(value: Any, *, owner) -> str:
     raise ValidationError({"init_checkpoint": f"choose a registered checkpoint by name: {names}"})
 
 
+def policy_model_directory(values: dict[str, Any], *, owner: Any) -> str:
+    """The files of the registered model ``policy_model`` names, which the launching user must be allowed
+    to use (the same error for a hidden model as for a missing one). A run starts from a registered model or
+    from a checkpoint, not both (a clone carries the model's own directory, which is accepted)."""
+    from webapp.registry.selectors import registered_models_visible_to
+
+    name = values["policy_model"]
+    model = registered_models_visible_to(user=owner).filter(name=name).first() if owner is not None else None
+    if model is None:
+        raise ValidationError({"policy_model": f"no registered model {str(name)[:100]!r} is visible to you"})
+    given = values.get("init_checkpoint")
+    # The launch form shows the configured default checkpoint in init_checkpoint: that is not a second choice.
+    if given not in (None, "", "default", settings.MODEL_CHECKPOINT, model.directory):
+        raise ValidationError(
+            {"policy_model": "start from a registered model or from a checkpoint, not both: clear init_checkpoint"}
+        )
+    if values.get("expert_guidance"):
+        raise ValidationError(
+            {"expert_guidance": "the scripted expert's guidance uses the built-in model's tokenizer; turn it off "
+                                "for an imported model"}
+        )
+    return model.directory
+
+
 def task_set_check(task_set_id: int, *, owner: Any) -> None:
     """A task-set pool must be a ready mined set the launching user can see (and one with train tasks)."""
     from webapp.mining.selectors import task_set_ready_get
@@ -91,7 +115,8 @@ def experiment_config_check(config: Any, *, run_dir: str = "pending", owner: Any
     """The full config as AsyncRLConfig accepts it (server fields filled in), without the server-controlled
     fields; or a ValidationError keyed by the field to fix. Types first, then AsyncRLConfig's own rules
     (their messages explain them), then the ranges. With ``owner`` a given ``init_checkpoint`` must name
-    a checkpoint registered for that user (never a typed server path)."""
+    a checkpoint registered for that user (never a typed server path), and a given ``policy_model`` a
+    registered model the user may use (its directory becomes init_checkpoint)."""
     from training.rollout.config import AsyncRLConfigError
 
     if isinstance(config, dict):
@@ -105,7 +130,9 @@ def experiment_config_check(config: Any, *, run_dir: str = "pending", owner: Any
         if hasattr(error, "error_dict"):
             raise
         raise ValidationError({"config": error.messages}) from error
-    if owner is not None and values.get("init_checkpoint"):
+    if values.get("policy_model"):
+        values["init_checkpoint"] = policy_model_directory(values, owner=owner)
+    elif owner is not None and values.get("init_checkpoint"):
         values["init_checkpoint"] = checkpoint_from_choices(values["init_checkpoint"], owner=owner)
     values.setdefault("init_checkpoint", settings.MODEL_CHECKPOINT or "")
     if values.get("task_set") is not None:
