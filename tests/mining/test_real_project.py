@@ -6,7 +6,7 @@ no pip, so the detected offline install fails at its step and the user's edited 
 suite from the root) is what runs - the flow a user follows on the repository page.
 
 The Celery jobs run in-process (the services the worker calls). Candidates are bounded here; the slow
-test mines more of them twice, running only the tests that call each mutated function and running the
+test mines 40 of them twice, running only the tests that call each mutated function and running the
 whole suite, and checks both keep the same tasks for the same reasons."""
 
 from __future__ import annotations
@@ -95,12 +95,14 @@ def test_inflection_sdist_register_setup_mine_train_benchmark(owner, team, tmp_p
     with django_capture_on_commit_callbacks(execute=False):
         response = client.post(reverse("mining:repository", args=[repository.pk]), {
             "name": "inflection tasks", "max_candidates": 14, "max_tasks": 5, "history_commits": 0,
-            "heldout_percent": 50, "seed": 3, "time_budget_s": 900, "share_with_team": team.pk})
+            "heldout_percent": 50, "seed": 3, "time_budget_s": 900, "selection": "calls",
+            "share_with_team": team.pk})
     assert response.status_code == 302, response.content.decode()[-2000:]
     task_set = task_set_mine(task_set_id=TaskSet.objects.get(name="inflection tasks").pk)
     assert task_set.status == "ready", (task_set.status_reason, task_set.stats)
     stats = task_set.stats
     assert stats["validated"] == task_set.tasks.count() >= 3 and stats["tried"] <= 14, stats
+    assert stats["test_runs"].get("selected", 0) >= 1 and "call map of 449 tests" in stats["selection"], stats
     assert set(stats["splits"]) == {"train", "heldout"} and min(stats["splits"].values()) >= 1, stats
     assert not task_set.tasks.exclude(expert_solved=True).exists()
     task = task_set.tasks.first()
@@ -129,8 +131,9 @@ def test_inflection_sdist_register_setup_mine_train_benchmark(owner, team, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_selected_tests_keep_the_same_tasks_as_whole_suite_runs(tmp_path):
-    """Exhaustive check of test selection on the real project: 60 candidates, both ways."""
+    """Exhaustive check of test selection on the real project: 40 candidates, both ways."""
     _docker_ready()
     from sandboxes import get_backend
     from sandboxes.base import RepoSource
@@ -147,16 +150,16 @@ def test_selected_tests_keep_the_same_tasks_as_whole_suite_runs(tmp_path):
     try:
         results = {}
         for selection in ("calls", "full"):
-            config = MiningConfig(max_candidates=60, max_tasks=60, seed=0, expert_check=False, selection=selection)
+            config = MiningConfig(max_candidates=40, max_tasks=40, seed=0, expert_check=False, selection=selection)
             results[selection] = mine_repository_tasks(backend=backend, prepared=prepared, config=config,
                                                        repo_label="inflection")
     finally:
         backend.snapshot_delete(snapshot=prepared.snapshot)
     calls, full = results["calls"], results["full"]
-    assert calls.runs["selected"] > 0 and full.runs == {"full": 60}
+    assert calls.runs["selected"] > 0 and full.runs == {"full": 40}
     assert {(t.task_id, t.fail_to_pass) for t in calls.tasks} == {(t.task_id, t.fail_to_pass) for t in full.tasks}
     # A function no test calls is rejected without a run; the whole suite finds no failing test for it.
     uncalled = "no test calls the mutated function (not fail-to-pass)"
     rejected = calls.rejected.copy()
     rejected["no test fails with the bug (not fail-to-pass)"] += rejected.pop(uncalled, 0)
-    assert +rejected == +full.rejected and len(calls.tasks) >= 20
+    assert +rejected == +full.rejected and len(calls.tasks) >= 15

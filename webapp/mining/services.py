@@ -354,7 +354,7 @@ def _task_set_store(*, task_set_id: int, result, recipe, commit: str, setup_s: f
         "validated": len(result.tasks), "yield": round(len(result.tasks) / result.tried, 3) if result.tried else 0.0,
         "proposed": result.proposed, "rejected": dict(result.rejected), "mining_s": round(result.wall_s, 2),
         "validation_s": round(result.validation_s, 2), "expert_s": round(result.expert_s, 2),
-        "stopped": result.stopped,
+        "stopped": result.stopped, "test_runs": dict(result.runs), "selection": result.selection_note,
         "splits": {split: sum(1 for t in result.tasks if t.split == split) for split in ("train", "heldout")},
     }
     if cancelled:
