@@ -128,6 +128,11 @@ def test_inflection_sdist_register_setup_mine_train_benchmark(owner, team, tmp_p
     run = benchmark_run_execute(run_id=BenchmarkRun.objects.get(suite=task_set.suite("heldout")).pk)
     assert run.status == BenchmarkRun.Status.FINISHED and run.summary["pass_at_1"] == 1.0, run.summary
     assert task_set.suite("heldout") in client.get(reverse("experiments:benchmarks")).content.decode()
+    from sandboxes import get_backend
+    from webapp.mining.services import prepared_snapshot_get
+
+    backend = get_backend("docker")  # the kept snapshot (an image) outlives the test's database otherwise
+    backend.snapshot_delete(snapshot=prepared_snapshot_get(repository_id=repository.pk, backend=backend))
 
 
 @pytest.mark.slow

@@ -81,9 +81,9 @@ def prepared_snapshot_get(*, repository_id: int | None, backend, source=None):
     root = getattr(backend, "root", None)
     if not _SNAPSHOT_ID.match(snapshot.id) or (source is not None and snapshot.source != source):
         return None
-    if backend.name == "local" and (root is None or snapshot.location != str(root / "snapshots" / snapshot.id / "tree")):
-        return None  # a local snapshot lives in this backend's own store, nowhere else
-    if backend.name == "local" and not Path(snapshot.location).is_dir():
+    if root is not None and snapshot.location != str(root / "snapshots" / snapshot.id / "tree"):
+        return None  # a snapshot lives in its backend's own store (local, docker), nowhere else
+    if root is not None and not Path(snapshot.location).is_dir():
         return None  # collected (backend.gc) since
     return snapshot
 
