@@ -107,3 +107,26 @@ def build_small_repository(root: Path) -> Path:
 @pytest.fixture
 def small_repository(tmp_path) -> Path:
     return build_small_repository(tmp_path / "calc-repo")
+
+
+@pytest.fixture
+def shared_set(owner, team, tmp_path):
+    """A ready set (one held-out, one train task) shared with the team, stored directly (the mining itself is
+    tested in test_mining_flow)."""
+    import dataclasses
+
+    from training.tasks.toy import generate_toy_task, toy_task_seeds
+    from webapp.agents.models import Repository
+    from webapp.experiments.models import RepositoryRecipe
+    from webapp.mining.models import MinedTask, TaskSet
+
+    repository = Repository.objects.create(owner=owner, team=team, name="calc", kind="path", location=str(tmp_path))
+    RepositoryRecipe.objects.create(repository=repository, status="ready", log="detect: 3 files")
+    task_set = TaskSet.objects.create(owner=owner, team=team, name="shared", repository=repository, repo_label="calc",
+                                      repo_location=str(tmp_path), status=TaskSet.Status.READY)
+    for split in ("heldout", "train"):
+        toy = generate_toy_task(toy_task_seeds(split=split, count=1)[0])
+        MinedTask.objects.create(task_set=task_set, task_id=toy.task_id, split=split, source="mutation",
+                                 path=toy.solution.path, kind=toy.mutation_kind, fail_to_pass=list(toy.fail_to_pass),
+                                 prompt=toy.prompt, diff="", task=dataclasses.asdict(toy))
+    return repository, task_set

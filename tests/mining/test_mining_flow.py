@@ -99,27 +99,6 @@ def test_register_setup_mine_train_and_benchmark(mined, owner, client, django_ca
     assert "scripted: 1.00" in client.get(reverse("mining:task-set-detail", args=[task_set.pk])).content.decode()
 
 
-@pytest.fixture
-def shared_set(owner, team, tmp_path):
-    """A ready set shared with the team, stored directly (the mining itself is tested above)."""
-    import dataclasses
-
-    from training.tasks.toy import generate_toy_task, toy_task_seeds
-    from webapp.agents.models import Repository
-    from webapp.experiments.models import RepositoryRecipe
-    from webapp.mining.models import MinedTask, TaskSet
-
-    repository = Repository.objects.create(owner=owner, team=team, name="calc", kind="path", location=str(tmp_path))
-    RepositoryRecipe.objects.create(repository=repository, status="ready", log="detect: 3 files")
-    task_set = TaskSet.objects.create(owner=owner, team=team, name="shared", repository=repository, repo_label="calc",
-                                      repo_location=str(tmp_path), status=TaskSet.Status.READY)
-    toy = generate_toy_task(toy_task_seeds(split="heldout", count=1)[0])
-    MinedTask.objects.create(task_set=task_set, task_id=toy.task_id, split="heldout", source="mutation",
-                             path=toy.solution.path, kind=toy.mutation_kind, fail_to_pass=list(toy.fail_to_pass),
-                             prompt=toy.prompt, diff="", task=dataclasses.asdict(toy))
-    return repository, task_set
-
-
 def test_personas_on_task_set_pages_and_api(shared_set, owner, teammate, outsider, client, api_client_for):
     repository, task_set = shared_set
     task = task_set.tasks.first()

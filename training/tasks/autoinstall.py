@@ -107,6 +107,12 @@ class InstallFailure:
         return asdict(self)
 
 
+_TEST_FILE = re.compile(r"(^|/)test_[^/]*\.py$|(^|/)[^/]*_test\.py$")
+_IMPORTS_PYTEST = re.compile(r"^\s*(import pytest\b|from pytest\b)", re.M)
+MAX_READ_TEST_FILES = 50
+"""Test files ``repository_files`` reads to see whether they import pytest."""
+
+
 def _uses_pytest(files: dict[str, str]) -> str | None:
     pyproject = files.get("pyproject.toml")
     if pyproject:
@@ -131,6 +137,9 @@ def _uses_pytest(files: dict[str, str]) -> str | None:
                 return name
     if "conftest.py" in files:
         return "conftest.py"
+    for name in sorted(files):
+        if _TEST_FILE.search(name) and _IMPORTS_PYTEST.search(files[name]):
+            return name  # a test file that imports pytest (fixtures, parametrize, raises) needs pytest
     return None
 
 
@@ -206,6 +215,8 @@ def repository_files(sandbox) -> tuple[dict[str, str], list[str]]:
     for name in paths:
         if name in _CONFIG_NAMES or re.fullmatch(r"requirements(-\w+)?\.txt", name):
             files[name] = sandbox.read_bytes(name).decode("utf-8", errors="replace")
+    for name in [path for path in paths if _TEST_FILE.search(path)][:MAX_READ_TEST_FILES]:
+        files[name] = sandbox.read_bytes(name)[:200_000].decode("utf-8", errors="replace")
     return files, paths
 
 

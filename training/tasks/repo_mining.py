@@ -35,6 +35,7 @@ from training.tasks.base import CodingTask, TaskError, minimal_fix_edit
 from training.tasks.environment import PreparedEnvironment, baseline_limits
 from training.tasks.mutations import MUTATION_KINDS, MutationError, enumerate_mutations
 from training.tasks.testoutput import parse_test_output, passing_tests
+from training.tasks.testselect import CallMap, call_map_build, selected_command
 
 TEST_PATH = re.compile(r"(^|/)(tests?/|testing/|test_[^/]*\.py$|[^/]*_test\.py$|conftest\.py$)")
 _SKIPPED_PATH = re.compile(r"(^|/)(\.git|\.flowstate|\.tox|\.nox|build|dist|docs?|examples?|benchmarks?)/|"
@@ -42,6 +43,7 @@ _SKIPPED_PATH = re.compile(r"(^|/)(\.git|\.flowstate|\.tox|\.nox|build|dist|docs
 _REVEALING = re.compile(r"\.(orig|rej|patch|diff)$")
 MAX_FILE_BYTES = 200_000
 MAX_REPOSITORY_BYTES = 8_000_000
+SELECTIONS = ("calls", "calls+full", "full")
 
 
 class MiningError(ValueError):
@@ -72,6 +74,10 @@ class MiningConfig:
     """Candidates validated at the same time (each in its own sandbox)."""
     expert_check: bool = True
     """Run the scripted expert on every kept task and record its solve rate (difficulty estimate)."""
+    selection: str = "calls"
+    """Tests a candidate runs: "calls" (only the tests that call the mutated function, from a call map of
+    the baseline, training.tasks.testselect), "calls+full" (those first, then the whole suite for a
+    candidate that fails there), or "full" (the whole suite for every candidate)."""
 
     def __post_init__(self) -> None:
         if self.max_candidates < 1 or self.max_tasks < 1 or self.workers < 1 or self.history_commits < 0:
@@ -83,6 +89,8 @@ class MiningConfig:
         unknown = set(self.kinds) - set(MUTATION_KINDS)
         if unknown or not self.kinds:
             raise MiningError(f"kinds must be a non-empty subset of {MUTATION_KINDS}")
+        if self.selection not in SELECTIONS:
+            raise MiningError(f"selection must be one of {SELECTIONS}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,10 @@ class MiningResult:
     validation_s: float = 0.0
     expert_s: float = 0.0
     stopped: str = ""
+    runs: Counter = field(default_factory=Counter)
+    """Test runs by kind: "full", "selected" (only the calling tests), "none" (no test calls the function)."""
+    selection_note: str = ""
+    """How tests were selected (the call map's figures, or why every candidate ran the whole suite)."""
 
 
 def repository_text_files(*, sandbox, paths: list[str]) -> dict[str, str]:
@@ -257,6 +269,8 @@ class _Context:
     by_file: bool
     lock: threading.Lock = field(default_factory=threading.Lock)
     seen: set = field(default_factory=set)
+    callmap: CallMap | None = None
+    runs: Counter = field(default_factory=Counter)
 
 
 def _revealed(files: dict[str, str], path: str, fixed: str) -> bool:
@@ -265,26 +279,57 @@ def _revealed(files: dict[str, str], path: str, fixed: str) -> bool:
     return any(text == fixed for other, text in files.items() if other != path)
 
 
+def _tests_run(candidate: Candidate, ctx: _Context) -> tuple[object, set[str]] | str:
+    """(result, tests whose outcome it reports) of the candidate's test run, or why it needs none."""
+    recipe = ctx.prepared.recipe
+    baseline = set(recipe.baseline.get("passed") or ())
+    selected = None
+    if ctx.callmap is not None and candidate.source == "mutation":
+        selected = ctx.callmap.selection(path=candidate.path, function=candidate.function)
+        if selected is not None and not selected & baseline:
+            with ctx.lock:
+                ctx.runs["none"] += 1
+            return "no test calls the mutated function (not fail-to-pass)"
+    command = selected_command(recipe, selected & baseline, ctx.callmap) if selected is not None else None
+    sandbox = ctx.backend.sandbox_create(snapshot=ctx.prepared.snapshot, limits=baseline_limits(ctx.timeout_s))
+    try:
+        sandbox.write_bytes(candidate.path, candidate.buggy.encode())
+        if command is not None:
+            result = sandbox.exec(command, timeout_s=ctx.timeout_s)
+            statuses, _ = parse_test_output(result.stdout + "\n" + result.stderr, recipe.runner)
+            expected = selected & baseline
+            full = result.timed_out or bool(expected - set(statuses))  # unsure: ask the whole suite
+            full = full or (ctx.config.selection == "calls+full" and bool(expected - passing_tests(statuses)))
+            with ctx.lock:
+                ctx.runs["selected"] += 1
+            if not full:
+                return result, expected
+        result = sandbox.exec(recipe.test_command, timeout_s=ctx.timeout_s)
+        with ctx.lock:
+            ctx.runs["full"] += 1
+        return result, baseline
+    finally:
+        sandbox.destroy()
+
+
 def candidate_validate(candidate: Candidate, ctx: _Context) -> CodingTask | str:
     """The validated task, or the reason the candidate is rejected."""
     recipe = ctx.prepared.recipe
     fixed = ctx.files[candidate.path]
     if _revealed(ctx.files, candidate.path, fixed):
         return "the fix is visible in the repository"
-    sandbox = ctx.backend.sandbox_create(snapshot=ctx.prepared.snapshot, limits=baseline_limits(ctx.timeout_s))
-    try:
-        sandbox.write_bytes(candidate.path, candidate.buggy.encode())
-        result = sandbox.exec(recipe.test_command, timeout_s=ctx.timeout_s)
-    finally:
-        sandbox.destroy()
+    ran = _tests_run(candidate, ctx)
+    if isinstance(ran, str):
+        return ran
+    result, expected = ran
     if result.timed_out:
         return "the tests hang with the bug"
     output = result.stdout + "\n" + result.stderr
     statuses, _ = parse_test_output(output, recipe.runner)
     baseline = set(recipe.baseline.get("passed") or ())
-    if baseline - set(statuses):
+    if expected - set(statuses):
         return "baseline tests no longer run (collection or import error)"
-    failing = sorted(baseline - passing_tests(statuses))
+    failing = sorted(expected - passing_tests(statuses))
     if not failing:
         return "no test fails with the bug (not fail-to-pass)"
     if len(failing) == len(baseline) and len(baseline) > 3:
@@ -354,7 +399,13 @@ def mine_repository_tasks(
     baseline_s = float(prepared.recipe.baseline.get("duration_s") or 10.0)
     ctx = _Context(prepared=prepared, files=files, backend=backend, config=config, repo_label=repo_label,
                    timeout_s=config.test_timeout_s or baseline_s * 5 + 10, split=split, by_file=by_file)
+    if config.selection != "full" and mutations:
+        # The mapping run profiles every call, so it gets more time than a candidate's run.
+        ctx.callmap, result.selection_note = call_map_build(backend=backend, prepared=prepared,
+                                                            timeout_s=ctx.timeout_s * 3)
+    _report(on_progress, result, phase="validating")
     _validate_all(candidates, ctx, result, started, on_progress, should_stop)
+    result.runs = ctx.runs
     result.validation_s = time.monotonic() - started
     if config.expert_check:
         expert_started = time.monotonic()

@@ -62,3 +62,10 @@ def task_sandboxes_create(
     if count == 1:
         return [backend.sandbox_create(snapshot=snapshot, limits=limits)]
     return backend.sandbox_fork(snapshot=snapshot, count=count, limits=limits)
+
+
+def task_snapshot_put(*, backend: SandboxBackend, task: CodingTask, snapshot: Snapshot, solved: bool = False) -> None:
+    """Use ``snapshot`` as the task's (e.g. one built from a repository's prepared environment with the
+    task's buggy file, so its setup does not run again); ``task_snapshot_get_or_create`` then returns it."""
+    with _cache_lock:
+        _snapshot_cache[(id(backend), task.task_id, solved)] = snapshot

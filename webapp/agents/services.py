@@ -380,7 +380,12 @@ def _db_retry(call, *, what: str, attempts: int = 5):
 
 
 def _snapshot_discard(backend, snapshot, task_id: int) -> None:
+    from webapp.mining.services import snapshot_is_kept
+
     try:
+        if snapshot_is_kept(snapshot_id=snapshot.id):
+            return  # a repository's prepared snapshot, shared by its tasks (and so is its index)
+        _semantic_index_cancel(snapshot, task_id)  # its index is of no use once the snapshot is gone
         backend.snapshot_delete(snapshot=snapshot)
     except Exception:
         logger.exception("could not delete the snapshot of task %s", task_id)
@@ -398,12 +403,15 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
             backend.reap_orphans()
         except Exception:
             logger.exception("could not reap the sandboxes of dead workers before retrying task %s", task.pk)
-    from webapp.mining.services import recipe_snapshot_setup
+    from webapp.mining.services import prepared_snapshot_get, recipe_snapshot_setup
 
-    setup_commands, setup_limits = recipe_snapshot_setup(repository_id=task.repository_id)
-    snapshot = backend.snapshot_create(source=RepoSource(kind=task.repo_kind, location=task.repo_location,
-                                                         ref=task.repo_ref or None),
-                                       setup_commands=setup_commands, setup_limits=setup_limits)
+    source = RepoSource(kind=task.repo_kind, location=task.repo_location, ref=task.repo_ref or None)
+    # The repository's prepared snapshot (its setup's installed environment), while its recipe is unchanged;
+    # else a snapshot of its own, built with the ready recipe's networked setup when there is one.
+    snapshot = prepared_snapshot_get(repository_id=task.repository_id, backend=backend, source=source)
+    if snapshot is None:
+        setup_commands, setup_limits = recipe_snapshot_setup(repository_id=task.repository_id)
+        snapshot = backend.snapshot_create(source=source, setup_commands=setup_commands, setup_limits=setup_limits)
     try:
         sandbox = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(
             lifetime_s=limits.wall_time_s + 300, command_timeout_s=min(120.0, limits.wall_time_s)))
@@ -474,6 +482,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
         _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=snapshot.id),
                   what=f"recording the snapshot of task {task_id}")
         _semantic_index_start(sandbox, task_id)
+        task.snapshot_id = snapshot.id  # verification skips setup already in a repository's prepared snapshot
 
         on_event, should_stop = followups.agent_callbacks(task_id=task_id, token=token, lost=lost)
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
@@ -500,7 +509,6 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
         if snapshot is not None:
-            _semantic_index_cancel(snapshot, task_id)  # its index is of no use once the snapshot is gone
             _snapshot_discard(backend, snapshot, task_id)
 
 

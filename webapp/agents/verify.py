@@ -64,7 +64,9 @@ def _plan(*, task: AgentTask, sandbox) -> _Plan | str:
         if recipe.get("test_command") and recipe.get("runner") in ("pytest", "unittest"):
             # A recipe whose setup downloads ran when the task's snapshot was built (network on for that
             # phase only, webapp.mining.services.recipe_snapshot_setup); an offline one runs here.
-            setup = () if recipe.get("network") else tuple(recipe.get("setup_commands") or ())
+            # The repository's prepared snapshot has every setup command done already.
+            prepared = bool(task.snapshot_id) and task.snapshot_id == (ready.snapshot or {}).get("id")
+            setup = () if recipe.get("network") or prepared else tuple(recipe.get("setup_commands") or ())
             return _Plan(runner=recipe["runner"], command=recipe["test_command"], setup_commands=setup,
                          source="recipe")
     files, paths = repository_files(sandbox)

@@ -71,6 +71,8 @@ class ExperimentForm(forms.Form):
             if field_class is forms.CharField:
                 options["max_length"] = MAX_STRING_CHARS
             self.fields[spec["name"]] = field_class(**options)
+        if "task_set" in self.fields:
+            self.fields["task_set"] = _task_set_field(user=user, base=self.fields["task_set"])
 
     def sections(self) -> list[dict]:
         """The config fields in sections (webapp.experiments.form_groups): title, shown fields, advanced ones."""
@@ -102,6 +104,58 @@ class ExperimentForm(forms.Form):
         return {key: value for key, value in values.items() if value is not None and value != ""}
 
 
+def _task_set_field(*, user, base: forms.Field) -> forms.TypedChoiceField:
+    """The experiment's task source: a menu of the ready task sets (with train tasks) the user may see."""
+    from webapp.mining.selectors import task_set_choices
+
+    return forms.TypedChoiceField(
+        choices=[("", "— none: the toy / standard-library tiers —"), *task_set_choices(user=user, split="train")],
+        coerce=int, empty_value=None, required=False, initial=base.initial, label="task_set",
+        help_text=base.help_text,
+    )
+
+
 class EvaluateForm(forms.Form):
-    suite = forms.CharField(initial="toy-heldout-20", help_text="toy-heldout-N, toy-validation-N, toy-train-N, or a mined task set's taskset-ID-heldout / taskset-ID-train")
+    suite = forms.CharField(initial="toy-heldout-20", required=False,
+                            help_text="toy-heldout-N, toy-validation-N or toy-train-N (N tasks)")
+    task_set_suite = forms.ChoiceField(required=False, label="or a task set",
+                                       help_text="A mined task set you may see (its held-out or train split); "
+                                                 "chosen, it replaces the suite.")
     attempts = forms.IntegerField(initial=1, min_value=1, max_value=16, help_text="k of pass@k")
+
+    def __init__(self, *args, user, **kwargs) -> None:
+        from webapp.mining.selectors import task_set_suite_choices
+
+        super().__init__(*args, **kwargs)
+        self.fields["task_set_suite"].choices = [("", "—"), *task_set_suite_choices(user=user)]
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if cleaned.get("task_set_suite"):
+            cleaned["suite"] = cleaned["task_set_suite"]
+        elif not cleaned.get("suite"):
+            raise forms.ValidationError("choose a suite or a task set")
+        return cleaned
+
+
+class BenchmarkRunForm(forms.Form):
+    """Benchmark a task set from the leaderboard: its suite and a policy, both from menus."""
+
+    suite = forms.ChoiceField(label="Task set", help_text="A mined task set you may see: its held-out or train split.")
+    policy = forms.ChoiceField(help_text="The scripted expert, or the served model (FLOWSTATE_MODEL_CHECKPOINT).")
+    attempts = forms.IntegerField(initial=1, min_value=1, max_value=16, help_text="k of pass@k")
+
+    def __init__(self, *args, user, **kwargs) -> None:
+        from webapp.mining.selectors import task_set_suite_choices
+
+        super().__init__(*args, **kwargs)
+        self.fields["suite"].choices = task_set_suite_choices(user=user)
+        policies = [("scripted", "scripted expert")]
+        if settings.MODEL_CHECKPOINT:
+            policies.append(("served", f"served model ({settings.MODEL_CHECKPOINT})"))
+        self.fields["policy"].choices = policies
+
+    def policy_spec(self) -> str:
+        """The policy string benchmark_run_create takes."""
+        policy = self.cleaned_data["policy"]
+        return f"checkpoint:{settings.MODEL_CHECKPOINT}" if policy == "served" else policy

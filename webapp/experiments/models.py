@@ -180,4 +180,9 @@ class RepositoryRecipe(models.Model):
     log = models.TextField(blank=True, help_text="Each setup step and the baseline run, with their output.")
     budget = models.JSONField(default=dict, blank=True, help_text="SetupBudget fields of the last setup.")
     edited = models.BooleanField(default=False, help_text="The recipe was written by the user, not detected.")
+    snapshot = models.JSONField(
+        default=dict, blank=True,
+        help_text="The prepared snapshot the last ready setup built (kept; product tasks and mining start from "
+                  "it while the recipe is unchanged): backend, id, location, source, recipe fingerprint.",
+    )
     updated_at = models.DateTimeField(auto_now=True)

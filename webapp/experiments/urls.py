@@ -7,6 +7,7 @@ urlpatterns = [
     path("", views.experiment_list_view, name="experiment-list"),
     path("compare/", views.experiment_compare_view, name="experiment-compare"),
     path("benchmarks/", views.benchmark_leaderboard_view, name="benchmarks"),
+    path("benchmarks/run/", views.benchmark_run_view, name="benchmark-run"),
     path("<int:pk>/", views.experiment_detail_view, name="experiment-detail"),
     path("<int:pk>/clone/", views.experiment_clone_view, name="experiment-clone"),
     path("<int:pk>/pause/", views.experiment_pause_view, name="experiment-pause"),

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 from webapp.core.forms import form_add_service_error, message_add_service_error
 from webapp.core.validation import text_check
 from webapp.experiments import services
-from webapp.experiments.forms import EvaluateForm, ExperimentForm
+from webapp.experiments.forms import BenchmarkRunForm, EvaluateForm, ExperimentForm
 from webapp.experiments.models import ExperimentCheckpoint
 from webapp.experiments.selectors import (
     DASHBOARD_SERIES,
@@ -108,7 +108,7 @@ def experiment_detail_view(request, pk: int):
             "series_labels": dict(DASHBOARD_SERIES),
             "groups": experiment_groups(experiment=experiment),
             "checkpoints": experiment.checkpoints.all(),
-            "evaluate_form": EvaluateForm(),
+            "evaluate_form": EvaluateForm(user=request.user),
         },
     )
 
@@ -167,7 +167,7 @@ def experiment_group_view(request, pk: int, group_id: str):
 def checkpoint_evaluate_view(request, pk: int, checkpoint_pk: int):
     experiment = experiment_get_for_change(user=request.user, pk=pk)
     checkpoint = get_object_or_404(ExperimentCheckpoint, pk=checkpoint_pk, experiment=experiment)
-    form = EvaluateForm(request.POST)
+    form = EvaluateForm(request.POST, user=request.user)
     if not form.is_valid():
         messages.error(request, "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items()))
         return redirect("experiments:experiment-detail", pk=experiment.pk)
@@ -194,12 +194,33 @@ def benchmark_leaderboard_view(request):
     except ValueError as exc:
         messages.error(request, str(exc))
         suite = None
+    run_form = BenchmarkRunForm(user=request.user)
+    task_set_suites = [name for name, _ in run_form.fields["suite"].choices]
     return render(
         request,
         "experiments/leaderboard.html",
         {
             "runs": benchmark_leaderboard(user=request.user, suite=suite),
-            "suites": benchmark_suites(user=request.user),
+            "suites": sorted(set(benchmark_suites(user=request.user)) | set(task_set_suites)),
             "suite": suite,
+            "run_form": run_form,
         },
     )
+
+
+@login_required
+@require_POST
+def benchmark_run_view(request):
+    """Queue a benchmark of a task set the user may see (the leaderboard's form)."""
+    form = BenchmarkRunForm(request.POST, user=request.user)
+    if not form.is_valid():
+        messages.error(request, "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items()))
+        return redirect("experiments:benchmarks")
+    try:
+        run = services.benchmark_run_create(owner=request.user, suite=form.cleaned_data["suite"],
+                                            policy=form.policy_spec(), attempts=form.cleaned_data["attempts"])
+    except ValidationError as error:
+        message_add_service_error(request, error)
+        return redirect("experiments:benchmarks")
+    messages.success(request, f"Benchmark run {run.pk} on {run.suite} queued.")
+    return redirect("experiments:benchmarks")

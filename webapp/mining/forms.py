@@ -22,6 +22,11 @@ class MineForm(forms.Form):
     heldout_percent = forms.IntegerField(initial=25, min_value=0, max_value=90, help_text="Files held out.")
     seed = forms.IntegerField(initial=0, min_value=0, max_value=2**31 - 1)
     time_budget_s = forms.FloatField(initial=1800.0, min_value=1.0, max_value=86_400.0)
+    selection = forms.ChoiceField(initial="calls", required=False, choices=(
+        ("calls", "only the tests that call the mutated function"),
+        ("calls+full", "those, then the whole suite for a candidate that fails there"),
+        ("full", "the whole suite for every candidate"),
+    ), help_text="Tests each candidate runs (pytest recipes; unittest ones always run the whole suite).")
     share_with_team = forms.ModelChoiceField(queryset=None, required=False, empty_label="— private —")
 
     def __init__(self, *args, user, **kwargs) -> None:
@@ -30,4 +35,4 @@ class MineForm(forms.Form):
 
     def settings_values(self) -> dict:
         return {key: value for key, value in self.cleaned_data.items()
-                if key not in ("name", "share_with_team") and value is not None}
+                if key not in ("name", "share_with_team") and value not in (None, "")}

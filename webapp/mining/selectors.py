@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 
 from webapp.core.selectors import owned_get_for_change, owned_get_visible, owned_visible_to
 from webapp.experiments.models import BenchmarkRun, BenchmarkTaskResult, RepositoryRecipe
@@ -28,6 +28,27 @@ def task_set_get_for_change(*, user, pk) -> TaskSet:
 def task_set_ready_get(*, user, pk) -> TaskSet | None:
     """A ready task set the user may see, or None."""
     return task_set_list(user=user).filter(pk=pk, status=TaskSet.Status.READY).first()
+
+
+def task_set_choices(*, user, split: str | None = None) -> list[tuple[int, str]]:
+    """(id, label) of the ready task sets the user may see (with tasks of ``split`` when given), newest first:
+    the menus of the experiment form and the benchmark forms."""
+    sets = task_set_list(user=user).filter(status=TaskSet.Status.READY).annotate(count=Count("tasks", distinct=True))
+    if split is not None:
+        sets = sets.filter(tasks__split=split).distinct()
+    labels = []
+    for task_set in sets.order_by("-created_at", "-id")[:200]:
+        labels.append((task_set.pk, f"{task_set.name} (#{task_set.pk}, {task_set.repo_label}, {task_set.count} tasks)"))
+    return labels
+
+
+def task_set_suite_choices(*, user) -> list[tuple[str, str]]:
+    """(suite, label) of the held-out and train suites of the ready task sets the user may see."""
+    choices = []
+    for split in ("heldout", "train"):
+        for pk, label in task_set_choices(user=user, split=split):
+            choices.append((f"taskset-{pk}-{split}", f"{label}: {'held-out' if split == 'heldout' else 'train'}"))
+    return choices
 
 
 def mined_task_get(*, task_set: TaskSet, pk) -> MinedTask:

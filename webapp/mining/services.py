@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
 import logging
+import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -40,6 +44,70 @@ def setup_budget():
 
     return SetupBudget(network=settings.REPO_SETUP_NETWORK, setup_timeout_s=settings.REPO_SETUP_TIMEOUT_S,
                        setup_disk_mb=settings.REPO_SETUP_DISK_MB, test_timeout_s=settings.REPO_TEST_TIMEOUT_S)
+
+
+_SNAPSHOT_ID = re.compile(r"^[a-z]+-[0-9a-f]{16}$")
+_FINGERPRINTED = ("setup_commands", "test_command", "runner", "network")
+
+
+def recipe_fingerprint(recipe: dict) -> str:
+    """What makes two recipes build the same snapshot (setup commands, test command, runner, network)."""
+    text = json.dumps({key: recipe.get(key) for key in _FINGERPRINTED}, sort_keys=True, default=list)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _snapshot_stored(snapshot, recipe: dict) -> dict:
+    return {"id": snapshot.id, "backend": snapshot.backend, "location": snapshot.location, "image": snapshot.image,
+            "source": [snapshot.source.kind, snapshot.source.location, snapshot.source.ref],
+            "setup_commands": list(snapshot.setup_commands), "created_at": snapshot.created_at,
+            "recipe": recipe_fingerprint(recipe)}
+
+
+def prepared_snapshot_get(*, repository_id: int | None, backend, source=None):
+    """The kept snapshot of the repository's ready setup, when ``backend`` built it, it still exists, it was
+    built from ``source`` (when given) and the recipe has not changed since; else None."""
+    from sandboxes.base import RepoSource, Snapshot
+
+    if repository_id is None:
+        return None
+    row = RepositoryRecipe.objects.filter(repository_id=repository_id, status=RepositoryRecipe.Status.READY).first()
+    stored = row.snapshot if row else {}
+    if not stored or stored.get("recipe") != recipe_fingerprint(row.recipe) or stored.get("backend") != backend.name:
+        return None
+    try:
+        kind, location, ref = stored["source"]
+        snapshot = Snapshot(id=str(stored["id"]), backend=backend.name, source=RepoSource(kind=kind, location=location,
+                            ref=ref), image=stored.get("image"), setup_commands=tuple(stored["setup_commands"]),
+                            location=str(stored["location"]), created_at=float(stored["created_at"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    root = getattr(backend, "root", None)
+    if not _SNAPSHOT_ID.match(snapshot.id) or (source is not None and snapshot.source != source):
+        return None
+    if root is not None and snapshot.location != str(root / "snapshots" / snapshot.id / "tree"):
+        return None  # a snapshot lives in its backend's own store (local, docker), nowhere else
+    if root is not None and not Path(snapshot.location).is_dir():
+        return None  # collected (backend.gc) since
+    return snapshot
+
+
+def snapshot_is_kept(*, snapshot_id: str) -> bool:
+    """Whether a repository's setup keeps this snapshot (product tasks must not delete it)."""
+    return RepositoryRecipe.objects.filter(snapshot__id=snapshot_id).exists()
+
+
+def _kept_snapshot_release(*, backend, stored: dict, keep_id: str = "") -> None:
+    """Delete a previously kept snapshot unless it is ``keep_id`` or a live sandbox still runs on it
+    (then backend.gc takes it once unused)."""
+    from sandboxes.base import RepoSource, Snapshot
+
+    old = str(stored.get("id") or "")
+    if not old or old == keep_id or stored.get("backend") != backend.name or not _SNAPSHOT_ID.match(old):
+        return
+    if old in backend.snapshots_in_use():
+        return
+    backend.snapshot_delete(snapshot=Snapshot(id=old, backend=backend.name, source=RepoSource(kind="path",
+                            location="."), image=None, setup_commands=(), location=str(stored.get("location", ""))))
 
 
 def recipe_snapshot_setup(*, repository_id: int | None) -> tuple[tuple[str, ...], SandboxLimits | None]:
@@ -114,16 +182,19 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
         outcome = None
         failure = {"stage": "install", "reason": f"{type(error).__name__}: {error}", "output_tail": "", "log": ""}
     if isinstance(outcome, PreparedEnvironment):
-        backend.snapshot_delete(snapshot=outcome.snapshot)
-        fields = {"status": RepositoryRecipe.Status.READY, "recipe": outcome.recipe.as_dict(), "failure": {},
-                  "log": outcome.log}
+        # The prepared snapshot is kept: product tasks and mining on this repository start from it.
+        recipe = outcome.recipe.as_dict()
+        fields = {"status": RepositoryRecipe.Status.READY, "recipe": recipe, "failure": {}, "log": outcome.log,
+                  "snapshot": _snapshot_stored(outcome.snapshot, recipe)}
     else:
         if outcome is not None:
             failure = outcome.as_dict()
-        fields = {"status": RepositoryRecipe.Status.FAILED, "failure": failure, "log": failure.pop("log", "")}
+        fields = {"status": RepositoryRecipe.Status.FAILED, "failure": failure, "log": failure.pop("log", ""),
+                  "snapshot": {}}
         if not recipe_row.edited:
             fields["recipe"] = {}
     RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(**fields, updated_at=timezone.now())
+    _kept_snapshot_release(backend=backend, stored=recipe_row.snapshot, keep_id=fields["snapshot"].get("id", ""))
     recipe_row.refresh_from_db()
     return recipe_row
 
@@ -214,6 +285,28 @@ def _progress_writer(task_set_id: int):
     return write
 
 
+def _prepared_kept(*, backend, task_set: TaskSet, recipe):
+    """The repository's kept prepared snapshot as a PreparedEnvironment, when the set's recipe built it."""
+    from dataclasses import replace
+
+    from training.tasks.autoinstall import repository_files
+    from training.tasks.environment import PreparedEnvironment, baseline_limits
+
+    snapshot = prepared_snapshot_get(repository_id=task_set.repository_id, backend=backend,
+                                     source=_source(task_set.repository))
+    stored = RepositoryRecipe.objects.filter(repository_id=task_set.repository_id).values_list("snapshot", flat=True)
+    if snapshot is None or recipe_fingerprint(task_set.recipe) != (stored.first() or {}).get("recipe"):
+        return None
+    sandbox = backend.sandbox_create(snapshot=snapshot, limits=baseline_limits(60))
+    try:
+        paths = repository_files(sandbox)[1]
+    finally:
+        sandbox.destroy()
+    recipe = replace(recipe, verified=True, baseline=dict(task_set.recipe.get("baseline") or {}))
+    return PreparedEnvironment(recipe=recipe, snapshot=snapshot, paths=paths,
+                               log=f"the repository's prepared snapshot {snapshot.id} (setup not repeated)")
+
+
 def task_set_mine(*, task_set_id: int) -> TaskSet:
     """The mining job: prepare the environment with the stored recipe, mine, store the tasks atomically."""
     from sandboxes import get_backend
@@ -232,8 +325,11 @@ def task_set_mine(*, task_set_id: int) -> TaskSet:
     backend = get_backend(settings.SANDBOX_BACKEND)
     recipe = InstallRecipe.from_dict({k: v for k, v in task_set.recipe.items() if k in InstallRecipe.__dataclass_fields__})
     started = time.monotonic()
-    prepared = environment_prepare(backend=backend, source=_source(task_set.repository), budget=setup_budget(),
-                                   recipe=recipe)
+    prepared = _prepared_kept(backend=backend, task_set=task_set, recipe=recipe)
+    kept = prepared is not None
+    if prepared is None:
+        prepared = environment_prepare(backend=backend, source=_source(task_set.repository), budget=setup_budget(),
+                                       recipe=recipe)
     if not isinstance(prepared, PreparedEnvironment):
         _finish(task_set_id, status=TaskSet.Status.FAILED,
                 status_reason=f"setup failed at the {prepared.stage} step: {prepared.reason}")
@@ -249,7 +345,8 @@ def task_set_mine(*, task_set_id: int) -> TaskSet:
         _finish(task_set_id, status=TaskSet.Status.FAILED, status_reason=str(error))
         return TaskSet.objects.get(pk=task_set_id)
     finally:
-        backend.snapshot_delete(snapshot=prepared.snapshot)
+        if not kept:
+            backend.snapshot_delete(snapshot=prepared.snapshot)
     return _task_set_store(task_set_id=task_set_id, result=result, recipe=prepared.recipe, commit=commit,
                            setup_s=setup_s, cancelled=stop())
 
@@ -260,7 +357,7 @@ def _task_set_store(*, task_set_id: int, result, recipe, commit: str, setup_s: f
         "validated": len(result.tasks), "yield": round(len(result.tasks) / result.tried, 3) if result.tried else 0.0,
         "proposed": result.proposed, "rejected": dict(result.rejected), "mining_s": round(result.wall_s, 2),
         "validation_s": round(result.validation_s, 2), "expert_s": round(result.expert_s, 2),
-        "stopped": result.stopped,
+        "stopped": result.stopped, "test_runs": dict(result.runs), "selection": result.selection_note,
         "splits": {split: sum(1 for t in result.tasks if t.split == split) for split in ("train", "heldout")},
     }
     if cancelled:
