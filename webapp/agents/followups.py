@@ -382,5 +382,4 @@ def continuation_run(*, task_id: int, keep_warm: bool = True) -> str:
             except Exception:
                 logger.exception("could not destroy the sandbox of task %s", task_id)
         if "snapshot" in held:
-            services._semantic_index_cancel(held["snapshot"], task_id)
-            services._snapshot_discard(held["backend"], held["snapshot"], task_id)
+            services._snapshot_discard(held["backend"], held["snapshot"], task_id)  # cancels its index build too
