@@ -30,6 +30,18 @@ SELF_TEST_COMMAND = "ls -la /workspace >/dev/null && stat -c %s probe.txt && cat
 """What the self-test runs: directory listing and ``statx`` (coreutils), a read and a write of the
 bind-mounted workspace."""
 PROBE_TEXT = "flowstate runtime probe\n"
+LINGER_S = 97
+"""Duration of the self-test's command that must be killed at its 1 s timeout (a recognisable argv)."""
+COUNT_LINGERING = (
+    "python3 -c \"import os\n"
+    "def argv(pid):\n"
+    "    try:\n"
+    "        return open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+    "    except OSError:\n"
+    "        return b''\n"
+    f"print(sum(argv(p) == b'sleep\\0{LINGER_S}\\0' for p in os.listdir('/proc') if p.isdigit()))\""
+)
+"""Counts the sandbox's processes still running ``sleep LINGER_S`` (python: no coreutils ``statx``)."""
 RUNSC_PIDS_OVERHEAD = 128
 """Host tasks a runsc sandbox needs besides the agent's: its sentry and gofer threads and (ptrace
 platform) one stub per guest address space count against the container's pids cgroup. Measured on
@@ -60,6 +72,10 @@ def runtime_pids_overhead(runtime: str) -> int:
 def runtime_self_test(backend: DockerBackend) -> None:
     """Start one sandbox container under ``backend.runtime`` and run ``SELF_TEST_COMMAND`` in it.
 
+    Then a command that outlives its timeout must be gone from the sandbox: the backend kills
+    timed-out commands by their host pids, which under a runtime that keeps the sandbox's processes
+    out of the host's view (gVisor) would only end the ``runsc exec`` process.
+
     Raises ``BackendUnavailable`` with what failed (the command's output, or the container's death).
     """
     from sandboxes.docker_backend import AGENT_UID
@@ -75,17 +91,12 @@ def runtime_self_test(backend: DockerBackend) -> None:
         container = backend._container_start(sandbox_id=sandbox_id, image=backend.image, limits=SELF_TEST_LIMITS,
                                              workspace=workspace, deadline=time.time() + SELF_TEST_LIMITS.lifetime_s)
         try:
-            result = backend._exec(container, SELF_TEST_COMMAND, SELF_TEST_LIMITS.command_timeout_s)
+            _files_check(backend, container, workspace)
+            _timeout_kill_check(backend, container)
+        except BackendUnavailable:
+            raise
         except SandboxError as exc:
             raise BackendUnavailable(f"OCI runtime {backend.runtime!r} cannot run a sandbox here: {exc}") from None
-        expected = f"{len(PROBE_TEXT)}\n{PROBE_TEXT}"
-        wrote = (workspace / "out.txt").is_file() and (workspace / "out.txt").read_text() == "out\n"
-        if result.exit_code != 0 or result.stdout != expected or not wrote:
-            output = " ".join((result.stdout + result.stderr).split())[:400]
-            raise BackendUnavailable(
-                f"OCI runtime {backend.runtime!r} cannot run a sandbox here: {SELF_TEST_COMMAND!r} exited "
-                f"{result.exit_code}: {output}"
-            )
     except BackendUnavailable:
         raise
     except SandboxError as exc:
@@ -94,3 +105,23 @@ def runtime_self_test(backend: DockerBackend) -> None:
         if container is not None:
             backend._container_remove(container)
         shutil.rmtree(workspace.parent, ignore_errors=True)
+
+
+def _files_check(backend: DockerBackend, container: str, workspace) -> None:
+    result = backend._exec(container, SELF_TEST_COMMAND, SELF_TEST_LIMITS.command_timeout_s)
+    expected = f"{len(PROBE_TEXT)}\n{PROBE_TEXT}"
+    wrote = (workspace / "out.txt").is_file() and (workspace / "out.txt").read_text() == "out\n"
+    if result.exit_code != 0 or result.stdout != expected or not wrote:
+        output = " ".join((result.stdout + result.stderr).split())[:400]
+        raise BackendUnavailable(f"OCI runtime {backend.runtime!r} cannot run a sandbox here: {SELF_TEST_COMMAND!r} "
+                                 f"exited {result.exit_code}: {output}")
+
+
+def _timeout_kill_check(backend: DockerBackend, container: str) -> None:
+    timed_out = backend._exec(container, f"sleep {LINGER_S}", 1.0)
+    survivors = backend._exec(container, COUNT_LINGERING, SELF_TEST_LIMITS.command_timeout_s)
+    if not timed_out.timed_out or survivors.exit_code != 0 or survivors.stdout.strip() != "0":
+        raise BackendUnavailable(
+            f"OCI runtime {backend.runtime!r}: a timed-out command is not killed in the sandbox (timed_out="
+            f"{timed_out.timed_out}, processes left: {(survivors.stdout + survivors.stderr).strip()[:200]!r})"
+        )
