@@ -7,7 +7,8 @@ container, so the host reads and writes workspace files through ``sandboxes.safe
 local backend does; file tools and diffs are byte-identical on both backends. Forking N sandboxes
 copies nothing: N overlays share one lower directory.
 
-Containers run the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
+Containers run under the configured OCI runtime (``SANDBOX_DOCKER_RUNTIME``: runc, or runsc once it
+passes ``sandboxes.docker_runtime.runtime_self_test``) and the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
 uid 1000 with every capability dropped, ``no-new-privileges``, a read-only root filesystem, a sized
 tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network``. The
 container's main process is ``sleep <lifetime_s>`` under docker-init (both as ``nobody``, out of the

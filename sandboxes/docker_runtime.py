@@ -5,8 +5,9 @@ code and the host's (docs/SECURITY.md); it must be registered in the engine's ``
 ``runtimes`` with ``--network=none`` among its ``runtimeArgs`` where gVisor cannot network (a nested
 engine). A registered runtime is not yet a working one: Debian bookworm's runsc (2022-12) starts
 containers but fails ``statx`` calls of the sandbox image's coreutils and dies under the backend's
-pids limit (docs/notebook/2026-11-29c-issue-51.md), so a runtime other than ``runc`` is proven
-with one real sandbox before the backend accepts it (``runtime_self_test``).
+pids limit (docs/notebook/2026-11-29c-issue-51.md), and the backend's timeout kill (host pids)
+does not reach commands inside gVisor; so a runtime other than ``runc`` is proven with one real
+sandbox before the backend accepts it (``runtime_self_test``).
 """
 
 from __future__ import annotations
