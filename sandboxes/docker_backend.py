@@ -7,7 +7,8 @@ container, so the host reads and writes workspace files through ``sandboxes.safe
 local backend does; file tools and diffs are byte-identical on both backends. Forking N sandboxes
 copies nothing: N overlays share one lower directory.
 
-Containers run the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
+Containers run under the configured OCI runtime (``SANDBOX_DOCKER_RUNTIME``: runc, or runsc once it
+passes ``sandboxes.docker_runtime.runtime_self_test``) and the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
 uid 1000 with every capability dropped, ``no-new-privileges``, a read-only root filesystem, a sized
 tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network``. The
 container's main process is ``sleep <lifetime_s>`` under docker-init (both as ``nobody``, out of the
@@ -46,6 +47,8 @@ from sandboxes.base import (
     Snapshot,
     SnapshotError,
 )
+from sandboxes.docker_runtime import runtime_missing, runtime_pids_overhead, runtime_self_test
+from sandboxes.settings import RUNTIME_NAME
 from sandboxes.settings import current as current_settings
 
 AGENT_UID = 1000
@@ -85,6 +88,9 @@ class DockerBackendConfig:
     """Bounds on archives accepted as snapshot sources."""
     start_workers: int = 8
     """Containers ``sandbox_fork`` starts concurrently."""
+    runtime: str | None = None
+    """OCI runtime of the containers (``runc``, ``runsc``); ``None``: the configured
+    ``SANDBOX_DOCKER_RUNTIME`` (``sandboxes.settings``). The engine must have it registered."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.cpus <= 64:
@@ -97,6 +103,8 @@ class DockerBackendConfig:
             raise ValueError("DockerBackendConfig.warm_max_idle_s must be positive")
         if not 1 <= self.start_workers <= 64:
             raise ValueError("DockerBackendConfig.start_workers must be between 1 and 64")
+        if self.runtime is not None and not RUNTIME_NAME.fullmatch(self.runtime):
+            raise ValueError(f"DockerBackendConfig.runtime={self.runtime!r} is not a runtime name (e.g. runc, runsc)")
 
 
 def _owner_alive(labels: dict[str, str]) -> bool:
@@ -197,6 +205,7 @@ class DockerBackend(CoreBackend):
         configured = current_settings()
         self.image = self.config.image or configured.image
         self.root = Path(self.config.root or configured.root / "docker").absolute()
+        self.runtime = self.config.runtime or configured.docker_runtime
         self.fork_workers = self.config.start_workers
         self._agent_owner = (AGENT_UID, AGENT_UID)
         if os.geteuid() != 0:
@@ -212,11 +221,16 @@ class DockerBackend(CoreBackend):
             raise BackendUnavailable(
                 f"sandbox image {self.image} is missing; build it with `manage.py build_sandbox_image`"
             ) from None
+        missing = runtime_missing(self._client, self.runtime)
+        if missing:
+            raise BackendUnavailable(missing)
         for sub in ("snapshots", "sandboxes"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        extract_server.prestart((AGENT_UID, AGENT_UID))  # the first archive snapshot need not wait for it
         self._owner_pid = os.getpid()
         self._owner_start = proc.start_time(self._owner_pid)
+        if self.runtime != "runc":
+            runtime_self_test(self)
+        extract_server.prestart((AGENT_UID, AGENT_UID))  # the first archive snapshot need not wait for it
         self._warm_pool_start()
 
     # Snapshots ----------------------------------------------------------------------------------
@@ -330,6 +344,7 @@ class DockerBackend(CoreBackend):
                 ["sleep", str(max(1, int(deadline - time.time()) + 1))],
                 name=f"flowstate-{sandbox_id}",
                 detach=True,
+                runtime=self.runtime,
                 init=True,
                 user=f"{KEEPER_UID}:{KEEPER_UID}",
                 working_dir=WORKSPACE_DIR,
@@ -340,7 +355,7 @@ class DockerBackend(CoreBackend):
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(self.config.cpus * 1e9),
-                pids_limit=limits.max_processes,
+                pids_limit=limits.max_processes + runtime_pids_overhead(self.runtime),
                 read_only=True,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
@@ -437,7 +452,7 @@ class DockerBackend(CoreBackend):
                 break
             # Background children may keep the output open after the command exits; stop reading soon.
             if exited_at is None and reader.is_alive() and now - started > 0.1:
-                pid = pid or api.exec_inspect(exec_id).get("Pid") or 0
+                pid = pid or self._exec_info(container_id, exec_id).get("Pid") or 0
                 if pid and not proc.alive(pid):
                     exited_at = now
             if exited_at is not None and now - exited_at > 0.2:
@@ -445,19 +460,28 @@ class DockerBackend(CoreBackend):
         with contextlib.suppress(OSError):
             stream.close()
         reader.join(timeout=1.0)
-        info = api.exec_inspect(exec_id)
+        info = self._exec_info(container_id, exec_id)
         # dockerd reports the exit once it stops copying output, up to ~2 s after the process ended.
         while info["Running"] and time.monotonic() - started < timeout_s + 8.0:
             if timed_out:
                 self._kill_exec(exec_id)
             time.sleep(0.05)
-            info = api.exec_inspect(exec_id)
+            info = self._exec_info(container_id, exec_id)
         exit_code = info["ExitCode"] if info["ExitCode"] is not None else -9
         if not timed_out and exit_code == 137 and not self._container_running(container_id):
             raise SandboxGone(f"container {container_id[:12]} stopped while the command ran")
 
         return ExecResult(exit_code=-9 if timed_out else exit_code, stdout=buffers[1].text(), stderr=buffers[2].text(),
                           timed_out=timed_out, duration_s=time.monotonic() - started)
+
+    def _exec_info(self, container_id: str, exec_id: str) -> dict:
+        """``docker exec`` inspection; the engine forgets an exec whose container died (SandboxGone)."""
+        from docker.errors import NotFound
+
+        try:
+            return self._client.api.exec_inspect(exec_id)
+        except NotFound:
+            raise SandboxGone(f"container {container_id[:12]} stopped while the command ran") from None
 
     def _kill_exec(self, exec_id: str) -> None:
         """Kill an exec'd command with its process group and every descendant (host pids)."""

@@ -11,6 +11,7 @@ This module must not import Django.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from sandboxes import paths
 
 BACKEND_NAMES = ("local", "docker")
 DEFAULT_IMAGE = "flowstate-sandbox:latest"
+DEFAULT_DOCKER_RUNTIME = "runc"
+RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What a Docker OCI runtime name may look like (``docker info`` lists the registered ones)."""
 SEMANTIC_SETTING_NAMES = (
     "SEMANTIC_INDEX_ROOT", "SEMANTIC_VECTOR_STORE", "SEMANTIC_BACKGROUND_INDEXING", "SEMANTIC_ENCODER_BACKEND",
     "SEMANTIC_ENCODER",
@@ -42,6 +46,10 @@ class SandboxSettings:
     its ``docker`` sub-directory (``SANDBOX_ROOT``; default ``var/sandboxes``, see ``sandboxes.paths``)."""
     image: str = DEFAULT_IMAGE
     """Container image of the Docker backend's sandboxes (``SANDBOX_IMAGE``)."""
+    docker_runtime: str = DEFAULT_DOCKER_RUNTIME
+    """OCI runtime of the Docker backend's containers (``SANDBOX_DOCKER_RUNTIME``): ``runc`` (the
+    default), or ``runsc`` (gVisor) once registered with the engine; the backend refuses to start
+    when the engine lacks it. docs/SECURITY.md says which to choose."""
     git_allowed_hosts: tuple[str, ...] = ()
     """Git hosts whose internal (loopback, private) addresses may be cloned from, lower case
     (``GIT_ALLOWED_HOSTS``); ``FLOWSTATE_GIT_ALLOWED_HOSTS`` in the environment adds more."""
@@ -56,6 +64,8 @@ class SandboxSettings:
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown sandbox backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if not isinstance(self.docker_runtime, str) or not RUNTIME_NAME.fullmatch(self.docker_runtime):
+            raise ValueError(f"SANDBOX_DOCKER_RUNTIME={self.docker_runtime!r} is not a runtime name (e.g. runc, runsc)")
         unknown = sorted(set(self.semantic) - set(SEMANTIC_SETTING_NAMES))
         if unknown:
             raise ValueError(f"SandboxSettings.semantic has unknown names {unknown}; use {SEMANTIC_SETTING_NAMES}")
@@ -67,6 +77,7 @@ class SandboxSettings:
             backend=os.environ.get("SANDBOX_BACKEND", "") or "local",
             root=_environment_root(),
             image=os.environ.get("SANDBOX_IMAGE") or DEFAULT_IMAGE,
+            docker_runtime=os.environ.get("SANDBOX_DOCKER_RUNTIME") or DEFAULT_DOCKER_RUNTIME,
             semantic={name: os.environ[name] for name in SEMANTIC_SETTING_NAMES if os.environ.get(name)},
         )
 

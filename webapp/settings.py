@@ -197,6 +197,9 @@ CHANNEL_LAYERS = {
 # --- Compute backends ---------------------------------------------------------------------
 SANDBOX_BACKEND = env_choice("SANDBOX_BACKEND", "local", ["local", "docker"])
 SANDBOX_IMAGE = env_str("SANDBOX_IMAGE", "flowstate-sandbox:latest")
+# OCI runtime of the Docker backend's containers: runc, or runsc (gVisor) once registered with the
+# engine (docs/SECURITY.md); the backend and /healthz refuse a runtime the engine lacks.
+SANDBOX_DOCKER_RUNTIME = env_str("SANDBOX_DOCKER_RUNTIME", "runc")
 # Default: var/sandboxes, or /var/lib/flowstate/sandboxes-<hash> when root runs a checkout that
 # other users cannot traverse (sandboxes.paths explains why).
 SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(default_sandbox_root(STATE_DIR))))

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SLOT_RESOURCE = "sandbox_slots"
 FORWARDED_ENV = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SANDBOX_ROOT", "SANDBOX_IMAGE",
-                 "FLOWSTATE_STATE_DIR")
+                 "SANDBOX_DOCKER_RUNTIME", "FLOWSTATE_STATE_DIR")
 
 
 def _configured_sandbox_root() -> str:

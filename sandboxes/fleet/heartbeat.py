@@ -80,6 +80,9 @@ class HostHeartbeat:
     """Unix time the heartbeat was taken."""
     stopping: bool = False
     """True on the last heartbeat of a host shutting down cleanly (not to be reported lost)."""
+    runtime: str = ""
+    """OCI runtime of a ``docker`` host's containers (``runc``, ``runsc``; ``SANDBOX_DOCKER_RUNTIME``);
+    empty for the ``local`` backend (Linux namespaces, no OCI runtime)."""
 
     def __post_init__(self) -> None:
         if not self.host_name:

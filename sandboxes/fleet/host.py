@@ -279,6 +279,7 @@ class SandboxHost:
             starting=self._starting,
             queue=self.admission.metrics(),
             stopping=stopping,
+            runtime=str(getattr(self.backend, "runtime", "") or ""),
         )
 
     async def load(self) -> dict:

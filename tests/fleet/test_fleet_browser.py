@@ -15,8 +15,8 @@ from webapp.fleet.services import host_heartbeat_record, hosts_mark_lost
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
-def beat(name, sandboxes, *, queue=None, cpu=35.0, starting=0):
-    return HostHeartbeat(host_name=name, backend="docker", slots_total=max(len(sandboxes), 8),
+def beat(name, sandboxes, *, queue=None, cpu=35.0, starting=0, runtime="runc"):
+    return HostHeartbeat(host_name=name, backend="docker", runtime=runtime, slots_total=max(len(sandboxes), 8),
                          slots_used=len(sandboxes), starting=starting, cpu_percent=cpu, memory_percent=40.0, memory_used_mb=4096,
                          sandboxes=tuple(sandboxes), queue=queue or QueueMetrics())
 
@@ -55,7 +55,7 @@ def test_fleet_page_shows_live_hosts_and_sandboxes(owner, asgi_server):
                 for i in range(500)]
         off_loop(host_heartbeat_record,
                  heartbeat=beat("node-b", many, queue=QueueMetrics(product_waiting=2, training_waiting=9), cpu=91.0,
-                                starting=4))
+                                starting=4, runtime="runsc"))
         card_b = page.locator('.fleet-host[data-host="node-b"]')
         card_b.wait_for(timeout=10000)
         assert card_b.get_attribute("data-sandboxes") == "500"
@@ -64,6 +64,7 @@ def test_fleet_page_shows_live_hosts_and_sandboxes(owner, asgi_server):
         page.wait_for_function("document.getElementById('total-sandboxes').textContent === '503'", timeout=10000)
         assert page.locator("#total-queue").inner_text() == "11"
         assert "500 sandboxes (+4 starting)" in card_b.locator(".meta").inner_text()
+        assert card_b.locator(".meta").inner_text().startswith("docker/runsc · ")  # each host's backend and runtime
         assert "queue 11 (2 product)" in card_b.locator(".meta").inner_text()
         assert card_b.locator('.bar[data-metric="cpu"]').get_attribute("class") == "bar hot"
         # The sandbox grid is drawn on a canvas: the first cell (busy) is painted busy-blue.

@@ -150,3 +150,14 @@ def test_fleet_api_needs_a_user_and_validates_the_window(api_client_for, outside
     assert len(body["series"]["node-a"]) == 1
     bad = api_client_for(outsider).get("/api/fleet/?window_s=-5")
     assert bad.status_code == 400 and "window_s" in bad.json()
+
+
+@pytest.mark.django_db
+def test_heartbeat_records_the_hosts_runtime_for_the_fleet_page():
+    host_heartbeat_record(heartbeat=beat("node-d", backend="docker", runtime="runsc"))
+    host_heartbeat_record(heartbeat=beat("node-l"))
+    hosts = {payload["name"]: payload for payload in fleet_overview()["hosts"]}
+    assert (hosts["node-d"]["backend"], hosts["node-d"]["runtime"]) == ("docker", "runsc")
+    assert (hosts["node-l"]["backend"], hosts["node-l"]["runtime"]) == ("local", "")
+    again = HostHeartbeat.from_dict(beat("node-d", backend="docker", runtime="runc").to_dict())
+    assert again.runtime == "runc"

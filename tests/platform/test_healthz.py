@@ -29,3 +29,22 @@ def test_healthz_says_what_is_down(client, settings):
 def test_healthz_sees_a_real_worker(client, celery_worker_process):
     celery = client.get("/healthz").json()["checks"]["celery"]
     assert celery["ok"] is True and celery["workers"]
+
+
+@pytest.mark.docker
+def test_healthz_reports_a_docker_runtime_that_is_configured_but_missing(client, settings):
+    import docker
+
+    try:
+        docker.from_env(timeout=5).ping()
+    except Exception as exc:  # noqa: BLE001 - no engine: nothing to report on
+        pytest.skip(f"no reachable Docker engine ({type(exc).__name__})")
+    settings.SANDBOX_BACKEND = "docker"
+    settings.SANDBOX_DOCKER_RUNTIME = "runc"
+    check = client.get("/healthz").json()["checks"]["sandbox_backend"]
+    assert check["runtime"] == "runc" and "docker (runc)" in check["detail"]
+    assert "no OCI runtime" not in check["detail"]
+    settings.SANDBOX_DOCKER_RUNTIME = "flowstate-no-such-runtime"
+    check = client.get("/healthz").json()["checks"]["sandbox_backend"]
+    assert check["ok"] is False
+    assert "no OCI runtime 'flowstate-no-such-runtime'" in check["detail"] and "registered: " in check["detail"]

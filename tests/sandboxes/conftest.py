@@ -50,9 +50,16 @@ def _traversable_tempdir(prefix: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session", params=["local", pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.fixture(scope="session", params=[
+    "local", pytest.param("docker", marks=pytest.mark.docker), pytest.param("docker-runsc", marks=pytest.mark.docker),
+])
 def sandbox_backend(request) -> SandboxBackend:
-    """A backend instance with its own state directory; docker params skip with the reason."""
+    """A backend instance with its own state directory; docker params skip with the reason.
+
+    ``docker-runsc`` is the Docker backend under gVisor: it skips with the backend's own refusal when
+    the engine has no ``runsc`` runtime or the runtime fails the backend's start-up self-test (the
+    measured reason, e.g. Debian bookworm's runsc rejects coreutils' ``statx``).
+    """
     root = _traversable_tempdir(f"flowstate-{request.param}-")
     if request.param == "local":
         from sandboxes.local_backend import LocalBackend, LocalBackendConfig
@@ -63,9 +70,15 @@ def sandbox_backend(request) -> SandboxBackend:
         if reason:
             shutil.rmtree(root, ignore_errors=True)
             pytest.skip(reason)
+        from sandboxes.base import BackendUnavailable
         from sandboxes.docker_backend import DockerBackend, DockerBackendConfig
 
-        backend = DockerBackend(DockerBackendConfig(root=root))
+        runtime = "runsc" if request.param == "docker-runsc" else "runc"
+        try:
+            backend = DockerBackend(DockerBackendConfig(root=root, runtime=runtime))
+        except BackendUnavailable as exc:
+            shutil.rmtree(root, ignore_errors=True)
+            pytest.skip(f"docker backend on {runtime}: {exc}")
     yield backend
     backend.close()
     backend.reap_orphans()

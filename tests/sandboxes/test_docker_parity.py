@@ -49,7 +49,9 @@ def _transcript(backend, repo) -> tuple[list[dict], str]:
         return results, sandbox.diff()
 
 
-def test_tool_results_and_diff_are_identical_on_local_and_docker(tmp_path, request):
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_tool_results_and_diff_are_identical_on_local_and_docker(tmp_path, request, runtime):
+    """Local vs Docker on each OCI runtime (runsc skips with the backend's refusal where it cannot run)."""
     from sandboxes.docker_backend import DockerBackend, DockerBackendConfig
     from sandboxes.local_backend import LocalBackend, LocalBackendConfig
 
@@ -62,9 +64,9 @@ def test_tool_results_and_diff_are_identical_on_local_and_docker(tmp_path, reque
     state.chmod(0o711)
     request.addfinalizer(lambda: shutil.rmtree(state, ignore_errors=True))
     try:
-        docker = DockerBackend(DockerBackendConfig(root=state / "docker"))
+        docker = DockerBackend(DockerBackendConfig(root=state / "docker", runtime=runtime))
     except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+        pytest.skip(f"docker backend on {runtime}: {exc}")
     local = LocalBackend(LocalBackendConfig(root=state / "local"))
     local_results, local_diff = _transcript(local, repo)
     docker_results, docker_diff = _transcript(docker, repo)

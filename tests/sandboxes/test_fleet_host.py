@@ -42,6 +42,7 @@ async def test_expired_sandbox_frees_its_slot_for_a_waiting_request(repo, sandbo
         await asyncio.sleep(0.3)
         beat = host.heartbeat()
         assert (beat.slots_used, beat.queue.product_waiting) == (1, 1)
+        assert (beat.backend, beat.runtime) == ("local", "")  # namespaces: no OCI runtime
         assert [(s.sandbox_id, s.state, s.purpose) for s in beat.sandboxes] == [(forgotten, "idle", "training")]
         # Nobody destroys the first sandbox: once its lifetime is over the host reaps it.
         admitted = await asyncio.wait_for(waiting, timeout=10)
@@ -53,6 +54,22 @@ async def test_expired_sandbox_frees_its_slot_for_a_waiting_request(repo, sandbo
     finally:
         assert await host.shutdown() == 1
     assert host.heartbeat().slots_used == 0
+
+
+@pytest.mark.docker
+async def test_docker_host_heartbeat_names_its_runtime(sandbox_root, settings):
+    from sandboxes.base import BackendUnavailable
+
+    settings.SANDBOX_DOCKER_RUNTIME = "runc"
+    try:
+        host = SandboxHost(SandboxHostConfig(host_name="docker-host", backend="docker", slots=1, heartbeat_sink=None))
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        beat = host.heartbeat()
+        assert (beat.backend, beat.runtime) == ("docker", "runc")
+    finally:
+        await host.shutdown()
 
 
 def test_host_config_rejects_bad_values():

@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 from django.conf import settings
 from django.db import connections
 
+from sandboxes.docker_runtime import runtime_missing
+
 _in_flight: dict[str, tuple[threading.Thread, float]] = {}
 _in_flight_lock = threading.Lock()
 
@@ -88,7 +90,11 @@ def probe_sandbox_backend() -> dict:
         client = docker.from_env(timeout=2)
         client.ping()
         has_image = bool(client.images.list(name=settings.SANDBOX_IMAGE))
-        return {"ok": has_image, "detail": f"docker; image {settings.SANDBOX_IMAGE} {'present' if has_image else 'missing: run manage.py build_sandbox_image'}"}
+        runtime = settings.SANDBOX_DOCKER_RUNTIME
+        missing = runtime_missing(client, runtime)
+        image = f"image {settings.SANDBOX_IMAGE} {'present' if has_image else 'missing: run manage.py build_sandbox_image'}"
+        return {"ok": has_image and not missing, "runtime": runtime,
+                "detail": f"docker ({runtime}); {image}" + (f"; {missing}" if missing else "")}
     found = shutil.which("unshare")
     return {"ok": bool(found), "detail": "local namespaces" if found else "util-linux 'unshare' not found"}
 

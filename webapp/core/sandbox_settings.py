@@ -13,7 +13,8 @@ from django.conf import settings
 
 from sandboxes.settings import SEMANTIC_SETTING_NAMES, SandboxSettings, configure
 
-SOURCE_SETTINGS = frozenset({"SANDBOX_BACKEND", "SANDBOX_ROOT", "SANDBOX_IMAGE", "GIT_ALLOWED_HOSTS", "DATABASES",
+SOURCE_SETTINGS = frozenset({"SANDBOX_BACKEND", "SANDBOX_ROOT", "SANDBOX_IMAGE", "SANDBOX_DOCKER_RUNTIME",
+                             "GIT_ALLOWED_HOSTS", "DATABASES",
                              *SEMANTIC_SETTING_NAMES})
 """The Django settings ``sandbox_settings_from_django`` reads."""
 
@@ -25,6 +26,7 @@ def sandbox_settings_from_django() -> SandboxSettings:
         backend=str(getattr(settings, "SANDBOX_BACKEND", "local")),
         root=Path(settings.SANDBOX_ROOT).absolute(),
         image=str(settings.SANDBOX_IMAGE),
+        docker_runtime=str(getattr(settings, "SANDBOX_DOCKER_RUNTIME", "runc")),
         git_allowed_hosts=tuple(str(host).lower() for host in getattr(settings, "GIT_ALLOWED_HOSTS", [])),
         semantic=semantic,
         # The dict itself, not a copy: the test runner renames the database in place after start-up.

@@ -5,7 +5,7 @@ from webapp.fleet.models import HostUtilisationSample, SandboxHost, SandboxRecor
 
 @admin.register(SandboxHost)
 class SandboxHostAdmin(admin.ModelAdmin):
-    list_display = ("name", "state", "backend", "slots_used", "slots_total", "queue_product", "queue_training",
+    list_display = ("name", "state", "backend", "runtime", "slots_used", "slots_total", "queue_product", "queue_training",
                     "cpu_percent", "memory_percent", "last_heartbeat_at")
     list_filter = ("state", "backend")
     search_fields = ("name",)

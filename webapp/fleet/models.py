@@ -15,6 +15,8 @@ class SandboxHost(models.Model):
 
     name = models.CharField(max_length=200, unique=True, help_text="Stable host name (Ray node id or host name).")
     backend = models.CharField(max_length=20, default="local")
+    runtime = models.CharField(max_length=64, blank=True, default="",
+                               help_text="OCI runtime of a docker host's sandboxes (runc, runsc); empty for local.")
     state = models.CharField(max_length=10, choices=State.choices, default=State.ALIVE, db_index=True)
     slots_total = models.PositiveIntegerField(default=0)
     slots_used = models.PositiveIntegerField(default=0)

@@ -21,6 +21,7 @@ def host_payload(*, host: SandboxHost, sandboxes: list[SandboxRecord] | None = N
     return {
         "name": host.name,
         "backend": host.backend,
+        "runtime": host.runtime,
         "state": host.state,
         "slots_total": host.slots_total,
         "slots_used": host.slots_used,

@@ -27,6 +27,7 @@ def host_heartbeat_record(*, heartbeat: HostHeartbeat) -> SandboxHost:
         name=heartbeat.host_name,
         defaults={
             "backend": heartbeat.backend,
+            "runtime": heartbeat.runtime[:64],
             "state": SandboxHost.State.STOPPED if heartbeat.stopping else SandboxHost.State.ALIVE,
             "slots_total": heartbeat.slots_total,
             "slots_used": heartbeat.slots_used,

@@ -1,0 +1,128 @@
+"""The Docker backend's OCI runtime: is it registered with the engine, and can it run a sandbox here?
+
+``runc`` is the engine's default. ``runsc`` (gVisor) puts a user-space kernel between the agent's
+code and the host's (docs/SECURITY.md); it must be registered in the engine's ``daemon.json``
+``runtimes`` with ``--network=none`` among its ``runtimeArgs`` where gVisor cannot network (a nested
+engine). A registered runtime is not yet a working one: Debian bookworm's runsc (2022-12) starts
+containers but fails ``statx`` calls of the sandbox image's coreutils and dies under the backend's
+pids limit (docs/notebook/2026-11-29c-issue-51.md), and the backend's timeout kill (host pids)
+does not reach commands inside gVisor; so a runtime other than ``runc`` is proven with one real
+sandbox before the backend accepts it (``runtime_self_test``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from typing import TYPE_CHECKING
+
+from sandboxes.base import BackendUnavailable, SandboxError, SandboxLimits
+
+if TYPE_CHECKING:
+    from sandboxes.docker_backend import DockerBackend
+
+SELF_TEST_LIMITS = SandboxLimits(cpu_seconds=20, memory_mb=512, max_processes=64, disk_mb=64,
+                                 command_timeout_s=10.0, lifetime_s=120.0)
+"""Limits of the self-test sandbox: as tight as the suite's, so a runtime that cannot live inside
+them is refused at start rather than at an agent's first command."""
+SELF_TEST_COMMAND = "ls -la /workspace >/dev/null && stat -c %s probe.txt && cat probe.txt && echo out > out.txt"
+"""What the self-test runs: directory listing and ``statx`` (coreutils), a read and a write of the
+bind-mounted workspace."""
+PROBE_TEXT = "flowstate runtime probe\n"
+LINGER_S = 97
+"""Duration of the self-test's command that must be killed at its 1 s timeout (a recognisable argv)."""
+COUNT_LINGERING = (
+    "python3 -c \"import os\n"
+    "def argv(pid):\n"
+    "    try:\n"
+    "        return open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+    "    except OSError:\n"
+    "        return b''\n"
+    f"print(sum(argv(p) == b'sleep\\0{LINGER_S}\\0' for p in os.listdir('/proc') if p.isdigit()))\""
+)
+"""Counts the sandbox's processes still running ``sleep LINGER_S`` (python: no coreutils ``statx``)."""
+RUNSC_PIDS_OVERHEAD = 128
+"""Host tasks a runsc sandbox needs besides the agent's: its sentry and gofer threads and (ptrace
+platform) one stub per guest address space count against the container's pids cgroup. Measured on
+bookworm's runsc: 58 host tasks for an idle sandbox, 71 during one exec; under the plain
+``max_processes`` limit of 64 the sentry cannot start threads and the sandbox dies at its first exec."""
+
+
+def engine_runtimes(client) -> tuple[str, ...]:
+    """Names of the OCI runtimes the Docker engine has registered (``docker info``)."""
+    return tuple(sorted((client.info().get("Runtimes") or {}).keys()))
+
+
+def runtime_missing(client, runtime: str) -> str | None:
+    """Why ``runtime`` cannot be used on this engine (not registered), else None."""
+    registered = engine_runtimes(client)
+    if runtime in registered:
+        return None
+    return (f"the Docker engine has no OCI runtime {runtime!r} (SANDBOX_DOCKER_RUNTIME; registered: "
+            f"{', '.join(registered) or 'none'}); register it in /etc/docker/daemon.json \"runtimes\" and "
+            "reload dockerd (kill -HUP), see docs/SECURITY.md")
+
+
+def runtime_pids_overhead(runtime: str) -> int:
+    """Host tasks added to a container's pids limit for ``runtime``'s own threads."""
+    return RUNSC_PIDS_OVERHEAD if runtime == "runsc" else 0
+
+
+def runtime_self_test(backend: DockerBackend) -> None:
+    """Start one sandbox container under ``backend.runtime`` and run ``SELF_TEST_COMMAND`` in it.
+
+    Then a command that outlives its timeout must be gone from the sandbox: the backend kills
+    timed-out commands by their host pids, which under a runtime that keeps the sandbox's processes
+    out of the host's view (gVisor) would only end the ``runsc exec`` process.
+
+    Raises ``BackendUnavailable`` with what failed (the command's output, or the container's death).
+    """
+    from sandboxes.docker_backend import AGENT_UID
+
+    sandbox_id = "dselftest-" + secrets.token_hex(6)
+    workspace = backend.root / "sandboxes" / sandbox_id / "workspace"
+    workspace.mkdir(parents=True)
+    (workspace / "probe.txt").write_text(PROBE_TEXT)
+    for path in (workspace, workspace / "probe.txt"):
+        os.chown(path, AGENT_UID, AGENT_UID)
+    container = None
+    try:
+        container = backend._container_start(sandbox_id=sandbox_id, image=backend.image, limits=SELF_TEST_LIMITS,
+                                             workspace=workspace, deadline=time.time() + SELF_TEST_LIMITS.lifetime_s)
+        try:
+            _files_check(backend, container, workspace)
+            _timeout_kill_check(backend, container)
+        except BackendUnavailable:
+            raise
+        except SandboxError as exc:
+            raise BackendUnavailable(f"OCI runtime {backend.runtime!r} cannot run a sandbox here: {exc}") from None
+    except BackendUnavailable:
+        raise
+    except SandboxError as exc:
+        raise BackendUnavailable(f"OCI runtime {backend.runtime!r} cannot start a sandbox here: {exc}") from None
+    finally:
+        if container is not None:
+            backend._container_remove(container)
+        shutil.rmtree(workspace.parent, ignore_errors=True)
+
+
+def _files_check(backend: DockerBackend, container: str, workspace) -> None:
+    result = backend._exec(container, SELF_TEST_COMMAND, SELF_TEST_LIMITS.command_timeout_s)
+    expected = f"{len(PROBE_TEXT)}\n{PROBE_TEXT}"
+    wrote = (workspace / "out.txt").is_file() and (workspace / "out.txt").read_text() == "out\n"
+    if result.exit_code != 0 or result.stdout != expected or not wrote:
+        output = " ".join((result.stdout + result.stderr).split())[:400]
+        raise BackendUnavailable(f"OCI runtime {backend.runtime!r} cannot run a sandbox here: {SELF_TEST_COMMAND!r} "
+                                 f"exited {result.exit_code}: {output}")
+
+
+def _timeout_kill_check(backend: DockerBackend, container: str) -> None:
+    timed_out = backend._exec(container, f"sleep {LINGER_S}", 1.0)
+    survivors = backend._exec(container, COUNT_LINGERING, SELF_TEST_LIMITS.command_timeout_s)
+    if not timed_out.timed_out or survivors.exit_code != 0 or survivors.stdout.strip() != "0":
+        raise BackendUnavailable(
+            f"OCI runtime {backend.runtime!r}: a timed-out command is not killed in the sandbox (timed_out="
+            f"{timed_out.timed_out}, processes left: {(survivors.stdout + survivors.stderr).strip()[:200]!r})"
+        )
