@@ -15,6 +15,7 @@ import logging
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
@@ -302,7 +303,7 @@ def _recorded_value_check(where: str, value: Any) -> None:
 @transaction.atomic
 def experiment_record(
     *, owner, name: str, config: dict[str, Any], steps: list[dict[str, Any]], team=None, run_dir: str = "",
-    checkpoints: list[tuple[int, str]] = (), status_reason: str = "",
+    checkpoints: Sequence[tuple[int, str]] = (), status_reason: str = "",
 ) -> Experiment:
     """Store a run that already happened outside the driver (a benchmark recipe, e.g. SFT at equal compute in
     benchmarks/bench_rl_vs_sft.py) as a finished experiment with its step rows, so the dashboard and the

@@ -184,8 +184,8 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
     if isinstance(outcome, PreparedEnvironment):
         # The prepared snapshot is kept: product tasks and mining on this repository start from it.
         recipe = outcome.recipe.as_dict()
-        fields = {"status": RepositoryRecipe.Status.READY, "recipe": recipe, "failure": {}, "log": outcome.log,
-                  "snapshot": _snapshot_stored(outcome.snapshot, recipe)}
+        fields: dict[str, Any] = {"status": RepositoryRecipe.Status.READY, "recipe": recipe, "failure": {},
+                                  "log": outcome.log, "snapshot": _snapshot_stored(outcome.snapshot, recipe)}
     else:
         if outcome is not None:
             failure = outcome.as_dict()
