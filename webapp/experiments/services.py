@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
