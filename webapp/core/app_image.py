@@ -153,12 +153,33 @@ def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
         shutil.copy2("/etc/pip.conf", root / "etc" / "pip.conf")
     if Path("/etc/xdg/pip").is_dir():  # pip.conf and the files it names (constraints)
         shutil.copytree("/etc/xdg/pip", root / "etc" / "xdg" / "pip", dirs_exist_ok=True)
-    _run(["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels",
-          "flowstate"], step="install wheels", timeout=3600)
+    # The build machine's CA bundle, for this step only: its index may sit behind a proxy whose CA
+    # the image's Debian bundle lacks (pip retried for minutes on CERTIFICATE_VERIFY_FAILED).
+    env = ["env", "PIP_NO_INPUT=1", "PIP_RETRIES=2"]
+    build_ca = _build_machine_ca_bundle()
+    if build_ca is not None:
+        shutil.copy2(build_ca, root / "tmp" / "build-ca.pem")
+        env += ["PIP_CERT=/tmp/build-ca.pem", "SSL_CERT_FILE=/tmp/build-ca.pem"]
+    try:
+        _run([*env, "chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels",
+              "flowstate"], step="install wheels", timeout=3600)
+    finally:
+        (root / "tmp" / "build-ca.pem").unlink(missing_ok=True)
     shutil.rmtree(inside)
     state = root / "var" / "lib" / "flowstate"
     state.mkdir(parents=True, exist_ok=True)
     os.chown(state, config.app_uid, config.app_uid)
+
+
+def _build_machine_ca_bundle() -> Path | None:
+    """The CA bundle pip trusts on the build machine (``PIP_CERT``, else the system's), if it has one."""
+    import ssl
+
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile,
+                      "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
 def _import(*, config: AppImageConfig, tarball: Path) -> str:
