@@ -153,22 +153,36 @@ def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
         shutil.copy2("/etc/pip.conf", root / "etc" / "pip.conf")
     if Path("/etc/xdg/pip").is_dir():  # pip.conf and the files it names (constraints)
         shutil.copytree("/etc/xdg/pip", root / "etc" / "xdg" / "pip", dirs_exist_ok=True)
-    # The build machine's CA bundle, for this step only: its index may sit behind a proxy whose CA
-    # the image's Debian bundle lacks (pip retried for minutes on CERTIFICATE_VERIFY_FAILED).
-    env = ["env", "PIP_NO_INPUT=1", "PIP_RETRIES=2"]
     build_ca = _build_machine_ca_bundle()
     if build_ca is not None:
         shutil.copy2(build_ca, root / "tmp" / "build-ca.pem")
-        env += ["PIP_CERT=/tmp/build-ca.pem", "SSL_CERT_FILE=/tmp/build-ca.pem"]
     try:
-        _run([*env, "chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels",
-              "flowstate"], step="install wheels", timeout=3600)
+        _run([*_chroot_pip_env(with_ca=build_ca is not None), "chroot", str(root), f"{VENV_DIR}/bin/pip", "install",
+              "--quiet", "--find-links", "/tmp/wheels", "flowstate"], step="install wheels", timeout=3600)
     finally:
         (root / "tmp" / "build-ca.pem").unlink(missing_ok=True)
     shutil.rmtree(inside)
     state = root / "var" / "lib" / "flowstate"
     state.mkdir(parents=True, exist_ok=True)
     os.chown(state, config.app_uid, config.app_uid)
+
+
+PIP_PASSED_ENV = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT",
+                  "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+
+
+def _chroot_pip_env(*, with_ca: bool) -> list[str]:
+    """``env -i ...`` for pip in the chroot: a clean environment, not the build machine's, whose paths
+    (``PIP_FIND_LINKS``, ``REQUESTS_CA_BUNDLE`` …) do not exist in the tree (requests prefers
+    ``REQUESTS_CA_BUNDLE`` over ``PIP_CERT``, so an inherited one made every download fail). Only the
+    index and proxy settings pass, and, with ``with_ca``, the build machine's CA bundle for this step
+    (its index may sit behind a proxy CA the image's Debian bundle lacks)."""
+    env = ["env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+           "LANG=C.UTF-8", "PIP_NO_INPUT=1", "PIP_RETRIES=2", "PIP_DISABLE_PIP_VERSION_CHECK=1"]
+    env += [f"{name}={os.environ[name]}" for name in PIP_PASSED_ENV if os.environ.get(name)]
+    if with_ca:
+        env += [f"{name}=/tmp/build-ca.pem" for name in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")]
+    return env
 
 
 def _build_machine_ca_bundle() -> Path | None:
