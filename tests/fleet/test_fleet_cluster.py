@@ -211,7 +211,15 @@ def test_a_product_task_whose_sandbox_host_leaves_fails_with_the_reason(cluster,
 
     sandboxes._backends["fleet"] = backend
     try:
-        runner = threading.Thread(target=services.task_run, kwargs={"task_id": task.pk})
+        def run_task() -> None:  # a Celery worker's part; its database session must not outlive it
+            from django.db import connection
+
+            try:
+                services.task_run(task_id=task.pk)
+            finally:
+                connection.close()
+
+        runner = threading.Thread(target=run_task)
         runner.start()
 
         def product_sandbox_or_task_over():
