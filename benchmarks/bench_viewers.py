@@ -74,6 +74,23 @@ def redis_round_trip(count: int, size: int, interval_s: float) -> list[float]:
     return latencies
 
 
+class _Phases:
+    """Wall time of each phase of the viewers part, printed with the figures (where the minutes go)."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.monotonic()
+        self.rows: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.rows.append((name, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.rows)
+        return f"   wall time {time.monotonic() - self.started:.1f} s: {parts} (s)"
+
+
 def viewers_part(*, viewers: int, turns: int, step_delay_s: float) -> None:
     from sandboxes import get_backend
     from sandboxes.base import RepoSource, SandboxLimits
@@ -81,6 +98,7 @@ def viewers_part(*, viewers: int, turns: int, step_delay_s: float) -> None:
     from webapp.agents.models import AgentTask
     from webapp.agents.services import task_create
 
+    phases = _Phases()
     user, repository, path = _bench_user_and_repository()
     backend = get_backend("local")
     sandbox = backend.sandbox_create(snapshot=backend.snapshot_create(source=RepoSource(kind="path", location=str(path))),
@@ -90,6 +108,7 @@ def viewers_part(*, viewers: int, turns: int, step_delay_s: float) -> None:
     token = api_token_get_or_create(user=user)
     half = [viewers // 2, viewers - viewers // 2]
     drain_s = 2.0 + viewers / 50
+    phases.done("servers")
     try:
         def watchers(task_id: int):
             return [events.Viewers(f"ws://127.0.0.1:{port}/ws/tasks/{task_id}/events/?after=-1", token, count,
@@ -100,20 +119,25 @@ def viewers_part(*, viewers: int, turns: int, step_delay_s: float) -> None:
         base = watchers(base_task.pk)
         for group in base:
             group.__enter__()
+        phases.done("baseline viewers connect")
         events.run_baseline(base_task.pk, count=2 * turns, size=300, interval_s=max(0.01, step_delay_s / 2))
         time.sleep(drain_s)
         for group in base:
             group.__exit__(None, None, None)
+        phases.done("baseline")
 
         task = task_create(owner=user, prompt="benchmark", repository=repository, backend="scripted", enqueue=False)
         product = watchers(task.pk)
         for group in product:
             group.__enter__()
+        phases.done("product viewers connect")
         events.run_product_path(task.pk, sandbox, turns, step_delay_s)
         time.sleep(drain_s)
         for group in product:
             group.__exit__(None, None, None)
+        phases.done("product path")
         raw = redis_round_trip(count=2 * turns, size=300, interval_s=max(0.01, step_delay_s / 2))
+        phases.done("raw Redis")
     finally:
         for server in servers:
             server.terminate()
@@ -133,6 +157,7 @@ def viewers_part(*, viewers: int, turns: int, step_delay_s: float) -> None:
     events.report(f"tool finished -> event at {viewers} viewers", latencies, baseline)
     for index, group in enumerate(product):
         print(f"   server process {index + 1}: {events.cpu_line(group)}")
+    print(phases.line(), flush=True)
 
 
 def _bench_user_and_repository():

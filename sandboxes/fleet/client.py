@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -65,6 +66,10 @@ class FleetConfig:
     """Environment for host actors, on top of the forwarded DJANGO/DATABASE/REDIS/SANDBOX variables."""
     refresh_interval_s: float = 5.0
     """How often a placing client looks for hosts that joined (new nodes) or died; 0 never does."""
+    follow_interval_s: float = 1.0
+    """How often the process that started the fleet (``Fleet.start``: ``fleet_serve``, or an experiment
+    driver that found no fleet running) places a host on every node that joined, in a background
+    thread; 0 leaves it to the caller's ``refresh(place=True)``."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "docker"):
@@ -77,6 +82,8 @@ class FleetConfig:
             raise ValueError("FleetConfig.product_reserved_slots must not be negative")
         if self.refresh_interval_s < 0:
             raise ValueError("FleetConfig.refresh_interval_s must be 0 (never) or positive")
+        if self.follow_interval_s != 0 and not 0.1 <= self.follow_interval_s <= 60:
+            raise ValueError("FleetConfig.follow_interval_s must be 0 (never) or within 0.1..60 s")
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,12 @@ class FleetSnapshot:
     setup_commands: tuple[str, ...] = ()
     setup_limits: SandboxLimits | None = None
 
+    @property
+    def id(self) -> str:
+        """The fleet-wide id (``Snapshot.id``'s part, for callers of any backend): ``key``. A sandbox's
+        own ``snapshot.id`` is the copy on its host."""
+        return self.key
+
 
 @dataclass
 class _Host:
@@ -110,9 +123,14 @@ class Fleet:
 
     ``refresh`` follows the Ray cluster: hosts of dead nodes (or dead host actors) are dropped, and
     nodes that joined get a host (``place=True``, the fleet's owner) or are attached to when another
-    process placed one. Placement refreshes by itself every ``refresh_interval_s`` and drops a host
-    whose actor died as soon as a call to it fails, so a lost node stops receiving work at once.
+    process placed one. The owner (the process that called ``Fleet.start``) does that in a background
+    thread every ``follow_interval_s``. Placement refreshes by itself every ``refresh_interval_s``
+    (attaching only) and drops a host whose actor died as soon as a call to it fails, so a lost node
+    stops receiving work at once. ``hosts`` and ``lost`` are replaced, never changed in place, so
+    callers may iterate them while another thread refreshes.
     """
+
+    _LOCAL_STATE = ("_rng", "_hosts_lock", "_refresh_lock", "_follower", "_stop_following")
 
     def __init__(self, config: FleetConfig, hosts: list[_Host]) -> None:
         if not hosts:
@@ -122,17 +140,24 @@ class Fleet:
             )
         self.config = config
         self.hosts = {host.name: host for host in hosts}
-        self.lost: set[str] = set()
-        self._rng = random.Random()
+        self.lost: frozenset[str] = frozenset()
         self._refreshed_at = time.monotonic()
+        self._local_state_init()
+
+    def _local_state_init(self) -> None:
+        self._rng = random.Random()
+        self._hosts_lock = threading.Lock()  # writers of hosts/lost (copy on write)
+        self._refresh_lock = threading.Lock()  # one refresh at a time: two would place a node's host twice
+        self._follower: threading.Thread | None = None
+        self._stop_following = threading.Event()
 
     def __getstate__(self) -> dict:
-        # A fleet handle travels to rollout workers (Ray pickles it); its random state need not.
-        return {key: value for key, value in self.__dict__.items() if key != "_rng"}
+        # A fleet handle travels to rollout workers (Ray pickles it): a copy attaches, it never follows.
+        return {key: value for key, value in self.__dict__.items() if key not in self._LOCAL_STATE}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._rng = random.Random()
+        self._local_state_init()
 
     @staticmethod
     def _host_env(config: FleetConfig) -> dict[str, str]:
@@ -175,6 +200,8 @@ class Fleet:
         fleet = cls(config, hosts)
         # Fail here, not on first use, if a host cannot start its backend.
         ray.get([host.actor.load.remote() for host in hosts])
+        if config.follow_interval_s:
+            fleet.follow(interval_s=config.follow_interval_s)
         return fleet
 
     @classmethod
@@ -184,8 +211,40 @@ class Fleet:
         hosts = [host for node in _slot_nodes() if (host := _host_attach(config, node)) is not None]
         return cls(config, hosts)
 
+    def follow(self, *, interval_s: float) -> None:
+        """``refresh(place=True)`` every ``interval_s`` in a daemon thread until ``shutdown``.
+
+        The owner's part: ``Fleet.start`` calls it, so nodes that join an experiment driver's own
+        fleet get a host as they do under ``fleet_serve``.
+        """
+        if self._follower is not None:
+            return
+
+        def follow_loop() -> None:
+            while not self._stop_following.wait(interval_s):
+                try:
+                    added, _ = self.refresh(place=True)
+                except Exception:  # Ray or a node failing mid-refresh: the next round tries again
+                    logger.exception("following the Ray cluster's nodes failed; trying again")
+                    continue
+                for name in added:
+                    logger.info("sandbox host %s placed on a node that joined", name)
+
+        self._follower = threading.Thread(target=follow_loop, name="fleet-follow", daemon=True)
+        self._follower.start()
+
+    def follow_stop(self) -> None:
+        """End ``follow``'s thread (waits for a refresh in progress); ``shutdown`` calls it."""
+        self._stop_following.set()
+        if self._follower is not None:
+            self._follower.join(timeout=180)
+
     def refresh(self, *, place: bool = False) -> tuple[list[str], list[str]]:
         """Follow the cluster: (hosts added, hosts dropped). ``place`` starts hosts on nodes that have none."""
+        with self._refresh_lock:
+            return self._refresh(place=place)
+
+    def _refresh(self, *, place: bool) -> tuple[list[str], list[str]]:
         import ray
 
         self._refreshed_at = time.monotonic()
@@ -210,15 +269,19 @@ class Fleet:
                 ray.get(host.actor.load.remote(), timeout=120)
             except (ray.exceptions.RayError, TimeoutError):
                 continue  # the node went again while its host started; the next refresh retries
-            self.hosts[host.name] = host
-            self.lost.discard(host.name)
+            with self._hosts_lock:
+                self.hosts = {**self.hosts, host.name: host}
+                self.lost = self.lost - {host.name}
             ready.append(host.name)
         return ready, dropped
 
     def _drop(self, name: str, why: BaseException | str = "") -> None:
-        if self.hosts.pop(name, None) is not None:
-            self.lost.add(name)
-            logger.warning("sandbox host %s dropped from placement: %s", name, why or "its node left")
+        with self._hosts_lock:
+            if name not in self.hosts:
+                return
+            self.hosts = {key: host for key, host in self.hosts.items() if key != name}
+            self.lost = self.lost | {name}
+        logger.warning("sandbox host %s dropped from placement: %s", name, why or "its node left")
 
     # Snapshots and placement --------------------------------------------------------------------
 
@@ -245,8 +308,12 @@ class Fleet:
     def _pick_host(self, count: int, purpose: str) -> _Host:
         import ray
 
-        if self.config.refresh_interval_s and time.monotonic() - self._refreshed_at >= self.config.refresh_interval_s:
-            self.refresh()
+        if (self.config.refresh_interval_s and time.monotonic() - self._refreshed_at >= self.config.refresh_interval_s
+                and self._refresh_lock.acquire(blocking=False)):  # skipped while another thread refreshes
+            try:
+                self._refresh(place=False)
+            finally:
+                self._refresh_lock.release()
         asked_all = False
         while True:
             if not self.hosts:
@@ -316,10 +383,13 @@ class Fleet:
         """Destroy every sandbox on every host and stop the hosts; returns how many sandboxes went."""
         import ray
 
+        self.follow_stop()  # first: a follower would place hosts again on the nodes emptied here
+        hosts = list(self.hosts.values())
+        stopping = [host.actor.shutdown.remote() for host in hosts]  # every host at once, not one after another
         destroyed = 0
-        for host in self.hosts.values():
+        for host, ref in zip(hosts, stopping, strict=True):
             with contextlib.suppress(ray.exceptions.RayError):  # its node is gone, and its sandboxes with it
-                destroyed += cast(int, ray.get(host.actor.shutdown.remote()))
+                destroyed += cast(int, ray.get(ref))
             ray.kill(host.actor)
         return destroyed
 

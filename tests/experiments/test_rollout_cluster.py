@@ -3,7 +3,8 @@
 The driver's rollout workers, inference actors and sandbox hosts spread over the nodes; a node is
 removed mid-experiment. Its in-flight rollouts end as masked infrastructure failures (never a zero
 reward) or are re-dispatched (their worker died with the node), and the experiment finishes with
-every rollout counted once.
+every rollout counted once. A node that joins then gets a sandbox host from the driver's own fleet
+(the driver started it: no ``fleet_serve`` runs here).
 """
 
 from __future__ import annotations
@@ -39,10 +40,20 @@ def test_an_experiment_survives_losing_a_node_and_counts_every_rollout_once(tmp_
         sandbox_hosts=True, fleet_heartbeats=False,
     )
     seen: dict = {}
+    outcome: dict = {}
 
-    def remove_a_node_mid_run() -> None:
+    def experiment() -> None:  # in a thread: Ray adds nodes only from the main thread (signal handlers)
+        try:
+            outcome["history"] = run_async_rl(config)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test below
+            outcome["error"] = exc
+        outcome["finished_at"] = time.monotonic()
+
+    runner = threading.Thread(target=experiment, daemon=True)
+    runner.start()
+    try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not read_jsonl(run_dir / METRICS_FILE):
+        while time.monotonic() < deadline and runner.is_alive() and not read_jsonl(run_dir / METRICS_FILE):
             time.sleep(0.5)
         alive = [actor for actor in list_actors(filters=[("state", "=", "ALIVE")])
                  if actor.class_name in ("RolloutServer", "InferenceServer", "SandboxHost")]
@@ -50,18 +61,24 @@ def test_an_experiment_survives_losing_a_node_and_counts_every_rollout_once(tmp_
                          for name in ("RolloutServer", "InferenceServer", "SandboxHost")}
         cluster.remove_node(workers[0])
         seen["removed_after_step"] = len(read_jsonl(run_dir / METRICS_FILE))
-
-    remover = threading.Thread(target=remove_a_node_mid_run, daemon=True)
-    remover.start()
-    try:
-        history = run_async_rl(config)
+        joined = cluster.add_node(**NODE, resources={"sandbox_slots": 2})
+        while time.monotonic() < deadline and runner.is_alive() and "joined_host" not in seen:
+            hosts = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "SandboxHost")])
+            if any(actor.node_id == joined.node_id for actor in hosts):
+                seen["joined_host"] = time.monotonic()
+            time.sleep(0.5)
+        runner.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        remover.join(timeout=30)
         ray.shutdown()
         cluster.shutdown()
 
+    assert not runner.is_alive(), "the experiment did not finish within 10 minutes"
+    if "error" in outcome:
+        raise outcome["error"]
+    history = outcome["history"]
     assert [row["step"] for row in history] == [1, 2, 3, 4]
     assert seen["removed_after_step"] < 4, "the node must go while the experiment runs"
+    assert seen.get("joined_host", float("inf")) < outcome["finished_at"], "the node that joined got no sandbox host"
     # Spread: every kind of actor on more than one node, a sandbox host on each of the 3.
     assert len(seen["nodes"]["SandboxHost"]) == 3
     assert len(seen["nodes"]["RolloutServer"]) >= 2 and len(seen["nodes"]["InferenceServer"]) >= 2

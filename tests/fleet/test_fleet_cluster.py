@@ -2,8 +2,14 @@
 
 Nodes are tiny (1 CPU, the smallest object store) and each offers its own ``sandbox_slots``: the head
 1, two workers 2 each. The tests share the cluster and run in order: placement on every node and the
-fleet API showing them all; a node that joins mid-burst taking work, then leaving (its host and
-sandboxes lost within 10 s, queued work going elsewhere); a product task whose sandbox host leaves.
+fleet API showing them all; a node that joins mid-burst getting a host from the fleet's own follower
+(``Fleet.start`` follows the cluster, as an experiment driver's fleet does) and taking work, then
+leaving (its host and sandboxes lost within 10 s, queued work going elsewhere); a product task whose
+sandbox host leaves.
+
+The hosts heartbeat into the test database while each test's flush truncates it: the heartbeat
+takes the fleet tables' locks all at once or gives way (``webapp.fleet.services._fleet_tables_lock``),
+so a flush never deadlocks with it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from sandboxes.base import RepoSource, SandboxGone, SandboxLimits
 
 LIMITS = SandboxLimits(command_timeout_s=20, lifetime_s=300, memory_mb=256)
 NODE = {"num_cpus": 1, "object_store_memory": 78 * 2**20}
+HOSTS_DB_APP = "flowstate-fleet-cluster-test"  # application_name of the host actors' database sessions
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +32,8 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {"sandbox_slots": 1}})
-    for _ in range(2):
-        cluster.add_node(**NODE, resources={"sandbox_slots": 2})
+    for _ in range(2):  # the two nodes start side by side; wait_for_nodes waits for both
+        cluster.add_node(wait=False, **NODE, resources={"sandbox_slots": 2})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     yield cluster
@@ -44,32 +51,34 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(cluster, django_db_setup, django_db_blocker):
-    """One host per node, heartbeating into the test database; every host stopped at the end."""
+    """One host per node, heartbeating into the test database; every host stopped at the end.
+
+    Started like an experiment driver's own fleet (``Fleet.start``, which follows the cluster: nodes
+    that join get a host); placing clients do not refresh by themselves (``refresh_interval_s=0``).
+    """
     from sandboxes.fleet.client import Fleet, FleetConfig
     from tests.conftest import _test_database_env
 
     with django_db_blocker.unblock():
         env = _test_database_env()
+    database_url = f"{env['DATABASE_URL']}?application_name={HOSTS_DB_APP}"
     fleet = Fleet.start(FleetConfig(backend="local", heartbeat_interval_s=0.5, refresh_interval_s=0,
-                                    env={"DATABASE_URL": env["DATABASE_URL"], "REDIS_URL": env["REDIS_URL"]}))
+                                    follow_interval_s=0.5,
+                                    env={"DATABASE_URL": database_url, "REDIS_URL": env["REDIS_URL"]}))
     yield fleet
     fleet.shutdown()  # destroys what a failed test left, sends each host's last heartbeat
     with django_db_blocker.unblock():
         from django.db import connection
 
-        # Host processes hold database sessions until they exit; the test database is dropped after.
-        deadline = time.monotonic() + 20
-        with connection.cursor() as cursor:
-            while time.monotonic() < deadline:
-                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                               "AND pid <> pg_backend_pid()")
-                if cursor.fetchone()[0] == 0:
-                    break
-                time.sleep(0.2)
-        # The hosts' last heartbeats came after the last test's flush: remove them, or the next module's
-        # tests find these hosts beside their own.
         from webapp.fleet.models import SandboxHost
 
+        with connection.cursor() as cursor:
+            # The stopped hosts' processes keep their database sessions until Ray reaps them, and the
+            # test database is dropped at the end: end those sessions now instead of waiting.
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE datname = current_database() AND application_name = %s", [HOSTS_DB_APP])
+        # The hosts' last heartbeats came after the last test's flush: remove them, or the next module's
+        # tests find these hosts beside their own.
         SandboxHost.objects.all().delete()
         connection.close()
 
@@ -84,9 +93,10 @@ def _wait_for(predicate, timeout=60.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _node_of(cluster, fleet, host_name):
-    node_id = fleet.hosts[host_name].node_id
-    return next(node for node in cluster.worker_nodes if node.node_id == node_id)
+def _host_on(fleet, node) -> str:
+    """The host the fleet's follower placed on ``node`` (a node that joined), once it takes work."""
+    return _wait_for(lambda: next((name for name, host in fleet.hosts.items() if host.node_id == node.node_id), None),
+                     timeout=120, what="the fleet's follower to place a host on the node that joined")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -136,10 +146,8 @@ def test_a_node_joining_mid_burst_takes_work_and_its_loss_is_marked_within_10_s(
               what="the burst queued on the full hosts")
 
     joined = cluster.add_node(**NODE, resources={"sandbox_slots": 2})
-    added, dropped = fleet.refresh(place=True)
-    assert dropped == [] and len(added) == 1
-    [new_host] = added
-    assert fleet.hosts[new_host].node_id == joined.node_id
+    new_host = _host_on(fleet, joined)  # nobody calls refresh: Fleet.start's follower places it
+    assert len(fleet.hosts) == 4
     # The burst's next requests go to the node that joined (the snapshot is built there on first use).
     fresh = [fleet.sandbox_create(snapshot=snapshot, limits=LIMITS) for _ in range(2)]
     assert {sandbox.host_name for sandbox in fresh} == {new_host}
@@ -173,9 +181,6 @@ def test_a_node_joining_mid_burst_takes_work_and_its_loss_is_marked_within_10_s(
     later.destroy()
 
 
-# Slow (out of CI) until mended: on the merged tree it timed out twice waiting for the product sandbox on the
-# product node (passed on its own branch); see docs/notebook/2026-11-29b-issue-47.md.
-@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_product_task_whose_sandbox_host_leaves_fails_with_the_reason(cluster, fleet, owner, settings, tmp_path):
     """Product tasks reach the fleet through AGENT_SANDBOX_BACKEND=fleet (sandboxes.fleet.backend)."""
@@ -191,7 +196,7 @@ def test_a_product_task_whose_sandbox_host_leaves_fails_with_the_reason(cluster,
         tmp_path / "warm"))))
     held = [fleet.sandbox_create(snapshot=snapshot, limits=LIMITS) for _ in range(5)]
     product_node = cluster.add_node(**NODE, resources={"sandbox_slots": 2})
-    [product_host], _ = fleet.refresh(place=True)
+    product_host = _host_on(fleet, product_node)
     assert product_host not in {sandbox.host_name for sandbox in held}
 
     repository = services.repository_create(owner=owner, team=None, name="demo", kind=Repository.Kind.PATH,
@@ -206,10 +211,25 @@ def test_a_product_task_whose_sandbox_host_leaves_fails_with_the_reason(cluster,
 
     sandboxes._backends["fleet"] = backend
     try:
-        runner = threading.Thread(target=services.task_run, kwargs={"task_id": task.pk})
+        def run_task() -> None:  # a Celery worker's part; its database session must not outlive it
+            from django.db import connection
+
+            try:
+                services.task_run(task_id=task.pk)
+            finally:
+                connection.close()
+
+        runner = threading.Thread(target=run_task)
         runner.start()
-        record = _wait_for(lambda: SandboxRecord.objects.filter(host__name=product_host, purpose="product").first(),
-                           what="the product sandbox on the product node")
+
+        def product_sandbox_or_task_over():
+            ended = AgentTask.objects.filter(pk=task.pk).exclude(
+                status__in=[AgentTask.Status.QUEUED, AgentTask.Status.RUNNING]).values_list("status_reason").first()
+            if ended is not None:  # e.g. the task path rejecting the fleet's snapshot, as it did after a merge
+                raise AssertionError(f"the task ended before its host left: {ended[0]}")
+            return SandboxRecord.objects.filter(host__name=product_host, purpose="product").first()
+
+        record = _wait_for(product_sandbox_or_task_over, what="the product sandbox on the product node")
         cluster.remove_node(product_node)
         runner.join(timeout=60)
         assert not runner.is_alive()

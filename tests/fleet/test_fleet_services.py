@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -77,6 +79,46 @@ def test_heartbeat_rejects_inconsistent_values():
         SandboxStatus("a", "running", "training")
     round_trip = HostHeartbeat.from_dict(beat(sandboxes=[SandboxStatus("a", "idle", "warm")]).to_dict())
     assert round_trip.sandboxes[0].purpose == "warm" and round_trip.queue.waiting == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_gives_way_to_a_statement_that_locks_the_fleet_tables_one_by_one(caplog):
+    """A test flush (TRUNCATE of every table, in an arbitrary order) deadlocked with a host's heartbeat:
+    the heartbeat held the hosts table and waited for the records table, which the TRUNCATE held while
+    it waited for the hosts table. Played here with explicit locks in that order."""
+    from django.db import connection, transaction
+
+    caplog.set_level(logging.INFO, logger="webapp.fleet.services")
+    host_heartbeat_record(heartbeat=beat("node-a", [SandboxStatus("sb-1", "idle", "training")]))
+    hosts, records = SandboxHost._meta.db_table, SandboxRecord._meta.db_table
+    errors: list[BaseException] = []
+
+    def heartbeat() -> None:
+        try:
+            host_heartbeat_record(heartbeat=beat("node-a", [SandboxStatus("sb-1", "busy", "training")]))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    beating = threading.Thread(target=heartbeat)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL lock_timeout = '20s'")
+        cursor.execute(f"LOCK TABLE {records} IN ACCESS EXCLUSIVE MODE")
+        beating.start()
+
+        def heartbeat_blocked() -> bool:  # waiting on the records table (holding hosts), or given way
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass", [records])
+            return cursor.fetchone()[0] > 0 or "fleet tables locked by another statement" in caplog.text
+
+        deadline = time.monotonic() + 30
+        while not heartbeat_blocked():
+            assert time.monotonic() < deadline, "the heartbeat never reached the locked table"
+            time.sleep(0.05)
+        cursor.execute(f"LOCK TABLE {hosts} IN ACCESS EXCLUSIVE MODE")  # the flush's next table: no deadlock
+    beating.join(timeout=30)
+    assert not beating.is_alive() and errors == []
+    assert SandboxRecord.objects.get(sandbox_id="sb-1").state == "busy"
 
 
 @pytest.mark.django_db

@@ -38,6 +38,7 @@ def start_fleet(ray_session):
 
     yield start
     for fleet in fleets:
+        fleet.follow_stop()  # or it would place a host again on the node emptied below
         for host in fleet.hosts.values():
             ray_session.kill(host.actor)  # a no-op for an actor the test already killed
 

@@ -479,7 +479,8 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
         except (SandboxError, ValueError, OSError) as exc:
             fail(f"could not prepare the sandbox: {type(exc).__name__}: {exc}")
             return "failed: sandbox"
-        _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=snapshot.id),
+        # The sandbox's own snapshot: the one its semantic index is keyed by (for the fleet, the copy on its host).
+        _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=sandbox.snapshot.id),
                   what=f"recording the snapshot of task {task_id}")
         _semantic_index_start(sandbox, task_id)
         task.snapshot_id = snapshot.id  # verification skips setup already in a repository's prepared snapshot

@@ -4,7 +4,8 @@ Built the way the sandbox image is (``sandboxes.image``): no container registry 
 debootstrap writes a Debian root filesystem from the mirror in the machine's apt sources, the
 Python dependencies come as wheels from pip's own configured index or cache (``pip wheel``, run on
 the build machine) and are installed from that wheelhouse into a virtual environment inside the
-root filesystem (with the build machine's pip configuration for what the wheelhouse lacks), the project's files are copied in, and ``docker import`` makes the image. The
+root filesystem (offline; an index is asked only for what the image's python3 needs beyond it, with
+every wheelhouse version pinned), the project's files are copied in, and ``docker import`` makes the image. The
 Debian packages add PostgreSQL and Redis servers, so the compose file needs no image from a
 registry either (one image, several commands).
 """
@@ -15,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,20 +147,115 @@ def _install(*, config: AppImageConfig, root: Path, wheels: Path) -> None:
     inside = root / "tmp" / "wheels"
     shutil.copytree(wheels, inside)
     _run(["chroot", str(root), "python3", "-m", "venv", VENV_DIR], step="create venv")
-    # The wheels were resolved by the build machine's Python; the image's python3 can be an older
-    # patch release whose environment markers want a dependency more (bookworm's 3.11.2 needs
-    # async-timeout for redis, 3.11.7 does not): the wheelhouse comes first, and the build machine's
-    # pip configuration (its index or mirror) is copied in for what it lacks.
-    if Path("/etc/pip.conf").is_file():
-        shutil.copy2("/etc/pip.conf", root / "etc" / "pip.conf")
-    if Path("/etc/xdg/pip").is_dir():  # pip.conf and the files it names (constraints)
-        shutil.copytree("/etc/xdg/pip", root / "etc" / "xdg" / "pip", dirs_exist_ok=True)
-    _run(["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels",
-          "flowstate"], step="install wheels", timeout=3600)
+    _venv_install(root=root, project=_project_wheel(wheels=wheels, source=config.source))
     shutil.rmtree(inside)
     state = root / "var" / "lib" / "flowstate"
     state.mkdir(parents=True, exist_ok=True)
     os.chown(state, config.app_uid, config.app_uid)
+
+
+def _project_wheel(*, wheels: Path, source: Path) -> str:
+    """File name of the checkout's own wheel in the wheelhouse (name and version from its pyproject)."""
+    import tomllib
+
+    project = tomllib.loads((source / "pyproject.toml").read_text())["project"]
+    name = re.sub(r"[-_.]+", "_", project["name"]).lower()
+    found = sorted(wheels.glob(f"{name}-{project['version']}-*.whl"))
+    if not found:
+        raise ImageBuildError(f"pip wheel left no {name}-{project['version']} wheel in {wheels}")
+    return found[-1].name
+
+
+def _wheel_pins(wheels: Path, *, project: str) -> str:
+    """``name==version`` for every distribution in the wheelhouse (the newest, if it holds several;
+    the project's own version from its wheel ``project``, whatever else the wheelhouse holds)."""
+    newest: dict[str, str] = {}
+    for wheel in [*sorted(wheels.glob("*.whl")), Path(project)]:
+        name, version = wheel.name.split("-")[:2]
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if wheel.name == project or key not in newest or _version_key(version) > _version_key(newest[key]):
+            newest[key] = version
+    return "".join(f"{name}=={version}\n" for name, version in sorted(newest.items()))
+
+
+def _version_key(version: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (1, Version(version))
+    except InvalidVersion:
+        return (0, version)
+
+
+def _venv_install(*, root: Path, project: str) -> None:
+    """Install the project's wheel and its dependencies into the image's venv from ``/tmp/wheels``.
+
+    Offline first (``--no-index``). The wheels were resolved by the build machine's Python, and the
+    image's python3 can be an older patch release whose environment markers want a dependency more
+    (bookworm's 3.11.2 needs async-timeout for redis, 3.11.7 does not). Only then is an index asked
+    (the build machine's pip configuration, copied in for this step), for what the wheelhouse lacks:
+    every wheel in it is pinned by a constraints file and the project comes from its file, so the
+    index cannot replace one of them. (Installed by name, ``flowstate`` came from the public index:
+    an unrelated package of that name, 0.6.2, was newer than the project's 0.1.0.)
+    """
+    pip = ["chroot", str(root), f"{VENV_DIR}/bin/pip", "install", "--quiet", "--find-links", "/tmp/wheels"]
+    try:
+        _run([*_chroot_pip_env(with_ca=False), *pip, "--no-index", f"/tmp/wheels/{project}"],
+             step="install wheels (offline)", timeout=3600)
+        return
+    except ImageBuildError as exc:
+        logger.warning("the wheelhouse lacks a dependency of the image's python3; asking the index for it: %s",
+                       str(exc)[-500:])
+    (root / "tmp" / "wheel-pins.txt").write_text(_wheel_pins(root / "tmp" / "wheels", project=project))
+    copied = [target for source, target in (("/etc/pip.conf", root / "etc" / "pip.conf"),
+                                            ("/etc/xdg/pip", root / "etc" / "xdg" / "pip"))
+              if Path(source).exists() and not target.exists()]
+    for target in copied:  # pip.conf and the files it names (constraints); removed again below
+        source = Path("/") / target.relative_to(root)
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
+    build_ca = _build_machine_ca_bundle()
+    if build_ca is not None:
+        shutil.copy2(build_ca, root / "tmp" / "build-ca.pem")
+    try:
+        _run([*_chroot_pip_env(with_ca=build_ca is not None), *pip, "--constraint", "/tmp/wheel-pins.txt",
+              f"/tmp/wheels/{project}"], step="install wheels (index for what the wheelhouse lacks)", timeout=3600)
+    finally:
+        (root / "tmp" / "build-ca.pem").unlink(missing_ok=True)
+        (root / "tmp" / "wheel-pins.txt").unlink(missing_ok=True)
+        for target in copied:
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+
+
+PIP_PASSED_ENV = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT",
+                  "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+
+
+def _chroot_pip_env(*, with_ca: bool) -> list[str]:
+    """``env -i ...`` for pip in the chroot: a clean environment, not the build machine's, whose paths
+    (``PIP_FIND_LINKS``, ``REQUESTS_CA_BUNDLE`` …) do not exist in the tree (requests prefers
+    ``REQUESTS_CA_BUNDLE`` over ``PIP_CERT``, so an inherited one made every download fail). Only the
+    index and proxy settings pass, and, with ``with_ca``, the build machine's CA bundle for this step
+    (its index may sit behind a proxy CA the image's Debian bundle lacks)."""
+    env = ["env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+           "LANG=C.UTF-8", "PIP_NO_INPUT=1", "PIP_RETRIES=2", "PIP_DISABLE_PIP_VERSION_CHECK=1"]
+    env += [f"{name}={os.environ[name]}" for name in PIP_PASSED_ENV if os.environ.get(name)]
+    if with_ca:
+        env += [f"{name}=/tmp/build-ca.pem" for name in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")]
+    return env
+
+
+def _build_machine_ca_bundle() -> Path | None:
+    """The CA bundle pip trusts on the build machine (``PIP_CERT``, else the system's), if it has one."""
+    import ssl
+
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile,
+                      "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
 def _import(*, config: AppImageConfig, tarball: Path) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from datetime import UTC, datetime, timedelta
 
-from django.db import transaction
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 from sandboxes.fleet.heartbeat import HostHeartbeat
@@ -12,14 +14,57 @@ from webapp.fleet.events import fleet_event_send_on_commit
 from webapp.fleet.models import HostUtilisationSample, SandboxHost, SandboxRecord
 from webapp.fleet.selectors import host_payload
 
+logger = logging.getLogger(__name__)
 
-@transaction.atomic
+FLEET_WRITE_ATTEMPTS = 6
+"""Tries of a fleet write that finds its tables locked by a TRUNCATE or schema change (see _fleet_tables_lock)."""
+LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a NOWAIT lock that was taken
+
+
+def _fleet_tables_lock() -> None:
+    """Take the write locks of the fleet's three tables up front, in one statement, without waiting.
+
+    A heartbeat writes hosts, sandbox records and utilisation samples. Locking them one statement at
+    a time, it could hold one table while a TRUNCATE (a test database flush, whose table order is
+    arbitrary) or a migration holds another and waits for the first: a deadlock PostgreSQL breaks by
+    aborting either side, the flush included. Locked here first, with NOWAIT, a writer holds all
+    three before such a statement takes any, or gives way at once (``_fleet_write`` tries again).
+    ROW EXCLUSIVE is the mode the writes take anyway, so writers never block one another with it.
+    """
+    if connection.vendor != "postgresql":
+        return
+    tables = ", ".join(connection.ops.quote_name(model._meta.db_table)
+                       for model in (HostUtilisationSample, SandboxHost, SandboxRecord))
+    with connection.cursor() as cursor:
+        cursor.execute(f"LOCK TABLE {tables} IN ROW EXCLUSIVE MODE NOWAIT")
+
+
+def _fleet_write(write, *, what: str):
+    """``write()`` in a transaction that holds the fleet tables' locks; tried again while they are taken."""
+    for attempt in range(1, FLEET_WRITE_ATTEMPTS + 1):
+        try:
+            with transaction.atomic():
+                _fleet_tables_lock()
+                return write()
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE or attempt == FLEET_WRITE_ATTEMPTS:
+                raise
+            logger.info("%s: fleet tables locked by another statement (attempt %d); trying again", what, attempt)
+            time.sleep(0.05 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def host_heartbeat_record(*, heartbeat: HostHeartbeat) -> SandboxHost:
     """Store a host's heartbeat: upsert the host, sync its sandbox records, keep a utilisation sample.
 
     Sandboxes the host no longer reports are marked destroyed. A heartbeat from a host that was
-    marked lost brings it back (its lost sandboxes stay lost: their processes are gone).
+    marked lost brings it back (its lost sandboxes stay lost: their processes are gone). The fleet
+    tables are locked first, all at once (``_fleet_tables_lock``).
     """
+    return _fleet_write(lambda: _heartbeat_store(heartbeat=heartbeat), what=f"heartbeat of {heartbeat.host_name}")
+
+
+def _heartbeat_store(*, heartbeat: HostHeartbeat) -> SandboxHost:
     now = timezone.now()
     sent_at = datetime.fromtimestamp(heartbeat.sent_at, tz=UTC)
     queue = heartbeat.queue
@@ -84,11 +129,14 @@ def host_heartbeat_record(*, heartbeat: HostHeartbeat) -> SandboxHost:
     return host
 
 
-@transaction.atomic
 def hosts_mark_lost(*, stale_after_s: float) -> list[str]:
     """Mark hosts silent for ``stale_after_s`` as lost, and their live sandboxes with them."""
     if stale_after_s <= 0:
         raise ValueError(f"stale_after_s={stale_after_s} must be positive (a few heartbeat intervals)")
+    return _fleet_write(lambda: _hosts_mark_lost(stale_after_s=stale_after_s), what="marking silent hosts lost")
+
+
+def _hosts_mark_lost(*, stale_after_s: float) -> list[str]:
     now = timezone.now()
     stale = list(
         SandboxHost.objects.select_for_update()

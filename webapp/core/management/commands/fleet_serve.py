@@ -50,7 +50,8 @@ class Command(BaseCommand):
         try:
             fleet = Fleet.start(FleetConfig(backend=options["backend"] or settings.SANDBOX_BACKEND,
                                             heartbeat_interval_s=options["heartbeat"],
-                                            product_reserved_slots=options["product_reserved_slots"]))
+                                            product_reserved_slots=options["product_reserved_slots"],
+                                            follow_interval_s=0))  # the loop below follows (and reports)
         except (ValueError, RuntimeError) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(f"fleet running: {', '.join(f'{h.name} ({h.slots} slots)' for h in fleet.hosts.values())}")
