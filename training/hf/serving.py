@@ -72,6 +72,9 @@ class HFChatModel(ChatModel):
     def _stop_token_ids(self) -> Sequence[int]:
         return self.stop_ids
 
+    def _tokenizer_backend(self):
+        return self.hf_tokenizer
+
     def _decode(self, token_ids: list[int]) -> str:
         stops = set(self.stop_ids)
         return self.hf_tokenizer.decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
