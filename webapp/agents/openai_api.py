@@ -57,7 +57,7 @@ def _registered_chat_model(user, name: str):
         return None, _error(404, f"model '{name}' does not exist; see /v1/models for the models you may use",
                             param="model", code="model_not_found")
     try:
-        return HFChatModel.shared(registered.directory, registered.name), None
+        return HFChatModel.shared(registered.directory, registered.name, context=settings.MODELS_SERVING_CONTEXT), None
     except (HFDirectoryError, WeightsError, TemplateRenderError, OSError, ValueError) as exc:
         return None, _error(503, f"model '{name}' cannot be loaded: {exc}", kind="server_error",
                             code="model_unavailable")
