@@ -157,3 +157,25 @@ def test_openai_client_n_choices_logprobs_and_streaming(builtin_model, owner, as
         client.chat.completions.create(model="flowstate", messages=request["messages"], logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
         client.chat.completions.create(model="flowstate", messages=request["messages"], top_logprobs=2)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("extra, message", [
+    ({"n": 0}, "n must be an integer between 1 and 16"),
+    ({"n": True}, "n must be an integer between 1 and 16"),
+    ({"n": 2.0}, "n must be an integer between 1 and 16"),
+    ({"n": 10**30}, "n must be an integer between 1 and 16"),
+    ({"logprobs": "yes"}, "logprobs must be true or false"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs must be an integer between 0 and 20"),
+    ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs must be an integer between 0 and 20"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs requires logprobs: true"),
+], ids=["n-zero", "n-bool", "n-float", "n-huge", "logprobs-string", "top-negative", "top-string", "top-without-logprobs"])
+def test_hostile_n_and_logprobs_are_refused_before_any_model_loads(owner, settings, extra, message):
+    settings.MODEL_CHECKPOINT = None  # validation must answer before the (absent) model is looked at
+    body = {"model": "flowstate", "messages": [{"role": "user", "content": "x"}], **extra}
+    response = Client().post("/v1/chat/completions", data=body, content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {api_token_get_or_create(user=owner)}")
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["param"] == ("top_logprobs" if "top_logprobs" in extra else next(iter(extra)))
