@@ -14,13 +14,14 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from django.http import JsonResponse, StreamingHttpResponse
 
-from training.serving import ChatCompletion, ChatDelta
-from training.token_bytes import TokenBytes
+if TYPE_CHECKING:  # training.serving imports torch: the web process loads it only when a model is served
+    from training.serving import ChatCompletion, ChatDelta
+    from training.token_bytes import TokenBytes
 
 UNLIKELY = -9999.0
 """Reported instead of -inf (a token a constraint ruled out), as OpenAI does: JSON has no infinity."""
@@ -56,6 +57,8 @@ def _usage(completions: list[ChatCompletion]) -> dict:
 
 def _finished(first, stream: Iterator) -> list[ChatCompletion]:
     """Drain the stream; the completions ordered by choice index."""
+    from training.serving import ChatCompletion
+
     completions = [item for item in chain([first], stream) if isinstance(item, ChatCompletion)]
     return sorted(completions, key=lambda completion: completion.index)
 
@@ -87,6 +90,8 @@ def _delta_logprobs(delta: ChatDelta, token_bytes: TokenBytes | None) -> dict | 
 
 def _events(first, stream: Iterator, *, header: dict, n: int, token_bytes: TokenBytes | None,
             include_usage: bool) -> Iterator[str]:
+    from training.serving import ChatDelta
+
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
               **extra) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs, **extra}
