@@ -5,8 +5,10 @@ into Flowstate's MoETransformer (training.hf.loading) and both generate the same
 requests of varied prompt and output lengths, batch 8. transformers runs static left-padded batches of 8
 that wait for their longest member (min_new_tokens = max_new_tokens, no early stop); the engine refills
 finished slots at once (continuous batching). Throughput counts only the requested tokens.
+--unfused also times the engine with EngineConfig(fused_forward=False) (MoETransformer.forward at every
+step: what Qwen3-MoE and OLMoE decoded through before the fused path computed qk-norm and clipping).
 
-    .venv/bin/python benchmarks/bench_hf_engine.py [--families qwen3_moe,olmoe,mixtral] [--threads 2]
+    .venv/bin/python benchmarks/bench_hf_engine.py [--families qwen3_moe,olmoe,mixtral] [--threads 2] [--unfused]
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def run_hf(model, pairs, batch: int) -> float:
     return time.perf_counter() - start
 
 
-def run_engine(model, pairs, batch: int) -> float:
-    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=batch, max_seq_len=256))
+def run_engine(model, pairs, batch: int, fused: bool = True) -> float:
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=batch, max_seq_len=256, fused_forward=fused))
     start = time.perf_counter()
     engine.generate([p for p, _ in pairs], [SamplingParams(max_tokens=n, temperature=0.0) for _, n in pairs])
     return time.perf_counter() - start
@@ -76,9 +78,11 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(CONFIGS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--unfused", action="store_true", help="also time the engine without the fused path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{'family':<10} {'params':>9} {'tokens':>7} {'HF tok/s':>9} {'engine tok/s':>12} {'ratio':>6}")
+    print(f"{'family':<10} {'params':>9} {'tokens':>7} {'HF tok/s':>9} {'engine tok/s':>12} {'ratio':>6}"
+          + (f" {'unfused tok/s':>13} {'ratio':>6}" if args.unfused else ""))
     for family in args.families.split(","):
         torch.manual_seed(0)
         reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
@@ -90,9 +94,13 @@ def main() -> None:
         run_engine(model, pairs[:2], args.batch)  # warm-up
         engine_s = run_engine(model, pairs, args.batch)
         hf_s = run_hf(reference, pairs, args.batch)
+        unfused = ""
+        if args.unfused:
+            unfused_s = run_engine(model, pairs, args.batch, fused=False)
+            unfused = f" {tokens / unfused_s:>13.1f} {hf_s / unfused_s:>5.2f}x"
         params = sum(p.numel() for p in reference.parameters())
         print(f"{family:<10} {params / 1e6:>8.1f}M {tokens:>7} {tokens / hf_s:>9.1f} {tokens / engine_s:>12.1f} "
-              f"{hf_s / engine_s:>5.2f}x", flush=True)
+              f"{hf_s / engine_s:>5.2f}x{unfused}", flush=True)
 
 
 if __name__ == "__main__":

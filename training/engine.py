@@ -30,6 +30,9 @@ from training.model.fused_forward import FusedForward, fused_forward_supports
 from training.model.kv_cache import KVCache
 from training.model.transformer import MoETransformer
 from training.model.weights_watch import WeightsWatch
+from training.sampling import MAX_TOP_LOGPROBS, sample_tokens, step_logprobs, top_logprobs
+
+__all__ = ["sample_tokens"]  # re-exported: callers and tests import it from here
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -68,7 +71,13 @@ class SamplingParams:
     The recorded logprob is that of the masked distribution the token was drawn from, and the masks come
     back in GenerationResult.sampling_masks so that a learner can recompute it."""
 
+    top_logprobs: int = 0
+    """Also report this many most likely tokens (id, logprob) at every step, 0..MAX_TOP_LOGPROBS, under the
+    same distribution as the sampled token's logprob (TokenEvent.top_logprobs, GenerationResult.top_logprobs)."""
+
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
         if self.temperature < 0:
@@ -146,6 +155,10 @@ class GenerationResult:
     sampling_masks: SamplingMasks | None = None
     """The constraint's masks, when SamplingParams.constraint masked any step; None otherwise."""
 
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per generated token, the SamplingParams.top_logprobs most likely (token id, logprob), most likely
+    first, under the distribution of `logprobs`; None when none were asked for."""
+
 
 @dataclass
 class TokenEvent:
@@ -155,6 +168,8 @@ class TokenEvent:
     token_id: int
     logprob: float
     result: GenerationResult | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    """The most likely (token id, logprob) at this step, when SamplingParams.top_logprobs asked for them."""
 
 
 @dataclass
@@ -184,6 +199,7 @@ class _Sequence:
     routing: list[torch.Tensor] = field(default_factory=list)
     mask_positions: list[int] = field(default_factory=list)
     mask_rows: list[torch.Tensor] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class GenerationEngine:
@@ -457,10 +473,13 @@ class GenerationEngine:
             top_ps=[s.params.top_p for s in sequences],
             generators=[s.generator for s in sequences],
         )
+        alternatives = self._top_logprobs(sequences, sampled_logits, temperatures)
         events = []
-        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
+        for row, (sequence, token, logprob) in enumerate(zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True)):
             sequence.tokens.append(token)
             sequence.logprobs.append(logprob)
+            if alternatives[row] is not None:
+                sequence.top_logprobs.append(alternatives[row])
             finish: FinishReason | None = None
             if token in sequence.params.stop_token_ids:
                 finish = "stop"
@@ -470,8 +489,23 @@ class GenerationEngine:
             ):
                 finish = "length"
             result = self._finish(sequence, finish) if finish else None
-            events.append(TokenEvent(sequence.request_id, token, logprob, result))
+            events.append(TokenEvent(sequence.request_id, token, logprob, result, alternatives[row]))
         return events
+
+    @staticmethod
+    def _top_logprobs(
+        sequences: list[_Sequence], logits: torch.Tensor, temperatures: list[float]
+    ) -> list[list[tuple[int, float]] | None]:
+        """Per row, its request's SamplingParams.top_logprobs most likely tokens, or None when it asked for none."""
+        rows = [row for row, sequence in enumerate(sequences) if sequence.params.top_logprobs]
+        found: list[list[tuple[int, float]] | None] = [None] * len(sequences)
+        if not rows:
+            return found
+        logprobs = step_logprobs(logits[rows], [temperatures[row] for row in rows])
+        widest = max(sequences[row].params.top_logprobs for row in rows)
+        for row, best in zip(rows, top_logprobs(logprobs, widest), strict=True):
+            found[row] = best[: sequences[row].params.top_logprobs]
+        return found
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> GenerationResult:
         routing = torch.cat(sequence.routing) if sequence.routing else None
@@ -486,6 +520,7 @@ class GenerationEngine:
             routed_experts=routing,
             sampling_masks=SamplingMasks(sequence.mask_positions, torch.stack(sequence.mask_rows))
             if sequence.mask_rows else None,
+            top_logprobs=sequence.top_logprobs if sequence.params.top_logprobs else None,
         )
 
     def _release(self, slot: int) -> None:
@@ -493,74 +528,3 @@ class GenerationEngine:
         self.cache.release(slot)
         self._free_slots.append(slot)
         self._free_slots.sort()
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    *,
-    temperatures: Sequence[float],
-    top_ps: Sequence[float],
-    generators: Sequence[torch.Generator],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits [B, V]; returns (tokens [B], logprobs [B]) on the CPU.
-
-    Row b draws a single uniform number from generators[b] and inverts the CDF of its distribution,
-    so its token depends only on its own logits and generator, never on the other rows.
-    """
-    logits = logits.float().cpu()
-    if not any(temperatures):
-        # all greedy (evaluation, benchmarks): no temperature scaling and no draws to make
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    sampled_rows = [row for row, temperature in enumerate(temperatures) if temperature != 0]
-    # greedy rows keep their raw logits (temperature 1)
-    scale = torch.tensor([temperature or 1.0 for temperature in temperatures], dtype=torch.float32)
-    logprobs_all = (logits / scale[:, None]).log_softmax(dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
-    top_p = torch.tensor([top_ps[row] for row in sampled_rows], dtype=torch.float32)
-    if len(sampled_rows) == len(temperatures):
-        # every row sampled (RL rollouts): no argmax and no row gathers
-        tokens = _inverse_cdf_sample(logprobs_all.exp(), top_p, uniforms)
-    else:
-        tokens = logits.argmax(dim=-1)
-        tokens[sampled_rows] = _inverse_cdf_sample(logprobs_all[sampled_rows].exp(), top_p, uniforms)
-    logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
-
-
-def _full_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Tokens [R] for probability rows [R, V] without truncation: the CDF in vocabulary order needs no sort."""
-    cumulative = probs.cumsum(dim=-1)
-    targets = uniforms[:, None] * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, targets, right=True).clamp_max(probs.shape[-1] - 1).squeeze(1)
-
-
-def _inverse_cdf_sample(probs: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Tokens [R] for probability rows [R, V]; rows with top_p < 1 sample from their nucleus only."""
-    full = top_p >= 1
-    if bool(full.all()):
-        return _full_cdf_sample(probs, uniforms)
-    tokens = torch.empty(probs.shape[0], dtype=torch.long)
-    if bool(full.any()):
-        tokens[full] = _full_cdf_sample(probs[full], uniforms[full])
-    nucleus = ~full
-    if bool(nucleus.any()):
-        rows, p = probs[nucleus], top_p[nucleus, None]
-        vocab = rows.shape[-1]
-        # Sorting the whole vocabulary is slow on CPU; the nucleus usually sits in the top few dozen
-        # tokens, so widen a top-k window until it holds top_p of the mass in every row.
-        width = min(64, vocab)
-        while True:
-            values, order = rows.topk(width, dim=-1)
-            if width == vocab or bool((values.sum(dim=-1, keepdim=True) >= p).all()):
-                break
-            width = min(vocab, width * 4)
-        # keep a token when the mass before it is below top_p (the most likely token is always kept)
-        values = torch.where(values.cumsum(dim=-1) - values < p, values, torch.zeros_like(values))
-        cumulative = values.cumsum(dim=-1)
-        targets = uniforms[nucleus, None] * cumulative[:, -1:]
-        positions = torch.searchsorted(cumulative, targets, right=True)
-        # never land on a zero-probability tail entry because of rounding
-        positions = torch.minimum(positions, (values > 0).sum(dim=-1, keepdim=True) - 1)
-        tokens[nucleus] = order.gather(1, positions).squeeze(1)
-    return tokens

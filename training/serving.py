@@ -7,6 +7,7 @@ instead of serialising behind a lock.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -29,7 +30,11 @@ from training.engine import (
     TokenEvent,
 )
 from training.model.transformer import MoETransformer
+from training.token_bytes import TokenBytes
 from training.tokenizer import TOOL_CALLS_START, BPETokenizer
+
+MAX_CHOICES = 16
+"""Most completions (OpenAI's ``n``) one request may ask for."""
 
 
 class ServingError(RuntimeError):
@@ -73,6 +78,12 @@ class ChatCompletion:
     """The copy constraint's masks (see GenerationResult.sampling_masks): logprobs at those positions are
     the masked distribution's, so a learner must apply the same masks to recompute them."""
 
+    index: int = 0
+    """Which of the request's n choices this is."""
+
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per generated token, the most likely (token id, logprob) when asked for (GenerationResult.top_logprobs)."""
+
     def flowstate_extension(self) -> dict[str, Any]:
         """JSON-serialisable RL data for the OpenAI-compatible endpoint's "flowstate" response field."""
         return {
@@ -89,11 +100,43 @@ class ChatCompletion:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token: its logprob and, when asked for, the most likely alternatives at its step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token id, logprob), most likely first; empty when no alternatives were asked for."""
+
+
+@dataclass
+class ChatDelta:
+    """What one choice generated since its previous delta: newly visible text and the tokens behind it.
+
+    Tokens that add no visible text (a tool-call block, the stop token) arrive with a later delta, at the
+    latest in one with empty text just before the choice's ChatCompletion."""
+
+    index: int
+    text: str
+    tokens: list[TokenLogprob]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded `seed`: choice 0 uses the seed itself (so n=1 and the
+    first of n choices agree), the others seeds derived from (seed, index); None stays random."""
+    if seed is None or index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") >> 1
+
+
+@dataclass
 class _Submission:
     prompt_ids: list[int]
     params: SamplingParams
     events: queue.Queue
     request_id: int | None = None
+    index: int = 0
+    """The choice this request is; its events go to `events` as (index, event or error)."""
 
 
 @dataclass
@@ -126,6 +169,7 @@ class ChatModel:
         self.copy_constraint = copy_constraint
         """Constrain edit_file's old_str to text of the conversation's tool results (training.copy_constraint)."""
         self._copy_vocabulary: CopyVocabulary | None = None
+        self._token_bytes: TokenBytes | None = None
         self.engine = GenerationEngine(model, config=engine_config)
         self._inbox: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name=f"chat-model-{name}", daemon=True)
@@ -222,8 +266,34 @@ class ChatModel:
         Deltas cover the content only; tool calls arrive parsed in the ChatCompletion. Closing the
         iterator early cancels the request and frees its batch slot.
         """
+        for item in self.stream_choices(messages=messages, tools=tools, max_tokens=max_tokens,
+                                        temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s):
+            if isinstance(item, ChatCompletion):
+                yield item
+            elif item.text:
+                yield item.text
+
+    def stream_choices(
+        self,
+        *,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[ChatDelta | ChatCompletion]:
+        """Generate n independent completions of one prompt together (continuous batching), yielding each
+        choice's ChatDelta as it grows and its ChatCompletion when it finishes, interleaved; choice i is
+        seeded choice_seed(seed, i). top_logprobs: alternatives per token (0..MAX_TOP_LOGPROBS). Closing the
+        iterator early cancels every unfinished choice."""
         if self._closed:
             raise ServingError(f"ChatModel {self.name!r} is closed.")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}.")
         prompt_ids = self._prompt_ids(messages, tools)
         room = self.engine.max_seq_len - len(prompt_ids)
         if room < 1:
@@ -231,38 +301,55 @@ class ChatModel:
                 f"The conversation is {len(prompt_ids)} tokens, which fills the model's context of "
                 f"{self.engine.max_seq_len}; shorten or summarise the history."
             )
-        params = SamplingParams(
-            max_tokens=min(max_tokens, room) if max_tokens else room,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop_token_ids=self._stop_token_ids(),
+        events: queue.Queue = queue.Queue()
+        submissions = [_Submission(prompt_ids, SamplingParams(
+            max_tokens=min(max_tokens, room) if max_tokens else room, temperature=temperature, top_p=top_p,
+            seed=choice_seed(seed, index), stop_token_ids=self._stop_token_ids(), top_logprobs=top_logprobs,
             constraint=self._copy_constraint(messages) if tools and self.copy_constraint else None,
-        )
-        submission = _Submission(prompt_ids, params, queue.Queue())
-        self._inbox.put(submission)
-        generated: list[int] = []
-        emitted = ""
-        finished = False
+        ), events, index=index) for index in range(n)]
+        for submission in submissions:
+            self._inbox.put(submission)
+        unfinished = set(range(n))
         try:
-            while True:
-                item = self._next_event(submission, timeout_s)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                event: TokenEvent = item
-                generated.append(event.token_id)
-                visible = self._visible_content(generated)
-                if len(visible) > len(emitted) and not visible.endswith("\ufffd"):
-                    yield visible[len(emitted) :]
-                    emitted = visible
-                if event.result is not None:
-                    finished = True
-                    yield self._completion(event.result)
-                    return
+            yield from self._choice_items(events, unfinished, n, timeout_s)
         finally:
-            if not finished:
-                self._inbox.put((_CANCEL, submission))
+            for index in unfinished:
+                self._inbox.put((_CANCEL, submissions[index]))
+
+    def _choice_items(self, events: queue.Queue, unfinished: set[int], n: int,
+                      timeout_s: float | None) -> Iterator[ChatDelta | ChatCompletion]:
+        """Turn the choices' token events into deltas and completions; removes finished choices from `unfinished`."""
+        generated: list[list[int]] = [[] for _ in range(n)]
+        pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        emitted = [""] * n
+        while unfinished:
+            index, item = self._next_event(events, timeout_s)
+            if isinstance(item, BaseException):
+                unfinished.discard(index)
+                raise item
+            event: TokenEvent = item
+            generated[index].append(event.token_id)
+            pending[index].append(TokenLogprob(event.token_id, event.logprob, event.top_logprobs or []))
+            visible = self._visible_content(generated[index])
+            if len(visible) > len(emitted[index]) and not visible.endswith("\ufffd"):
+                yield ChatDelta(index, visible[len(emitted[index]):], pending[index])
+                emitted[index], pending[index] = visible, []
+            if event.result is not None:
+                unfinished.discard(index)
+                if pending[index]:
+                    yield ChatDelta(index, "", pending[index])
+                completion = self._completion(event.result)
+                completion.index, completion.top_logprobs = index, event.result.top_logprobs
+                yield completion
+
+    def token_bytes(self) -> TokenBytes:
+        """Bytes and text of this model's tokens (OpenAI logprobs' ``token`` and ``bytes``)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self._tokenizer_backend())
+        return self._token_bytes
+
+    def _tokenizer_backend(self):
+        return self.tokenizer.backend
 
     def update_weights(
         self,
@@ -310,12 +397,13 @@ class ChatModel:
             self._copy_vocabulary = CopyVocabulary(self.tokenizer)
         return CopyConstraint(self._copy_vocabulary, sources)
 
-    def _next_event(self, submission: _Submission, timeout_s: float | None) -> TokenEvent | BaseException:
+    def _next_event(self, events: queue.Queue, timeout_s: float | None) -> tuple[int, TokenEvent | BaseException]:
+        """(choice index, its next token event or error) from a request's shared queue."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             try:
-                return submission.events.get(timeout=wait)
+                return events.get(timeout=wait)
             except queue.Empty:
                 if not self._worker.is_alive():
                     raise ServingError(f"The worker of ChatModel {self.name!r} has stopped.") from None
@@ -396,7 +484,7 @@ class ChatModel:
                 message.request_id = self.engine.add_request(message.prompt_ids, message.params)
                 by_request[message.request_id] = message
             except Exception as error:  # noqa: BLE001 - the caller gets its own request's error
-                message.events.put(error)
+                message.events.put((message.index, error))
         return True
 
     def _step(self, by_request: dict[int, _Submission]) -> None:
@@ -411,7 +499,7 @@ class ChatModel:
         for event in events:
             submission = by_request.get(event.request_id)
             if submission is not None:
-                submission.events.put(event)
+                submission.events.put((submission.index, event))
             if event.result is not None:
                 by_request.pop(event.request_id, None)
 
@@ -431,7 +519,7 @@ class ChatModel:
             except queue.Empty:
                 return
             if isinstance(message, _Submission):
-                message.events.put(error)
+                message.events.put((message.index, error))
             elif isinstance(message, _WeightUpdate):
                 message.error = error
                 message.done.set()
@@ -439,7 +527,7 @@ class ChatModel:
     @staticmethod
     def _fail_all(by_request: dict[int, _Submission], error: Exception) -> None:
         for submission in by_request.values():
-            submission.events.put(error)
+            submission.events.put((submission.index, error))
         by_request.clear()
 
 

@@ -210,6 +210,9 @@ RAY_ADDRESS = env_optional("RAY_ADDRESS")
 AGENT_SANDBOX_BACKEND = env_choice("AGENT_SANDBOX_BACKEND", "", ["", "local", "docker", "fleet"]) or None
 MODEL_CHECKPOINT = env_optional("FLOWSTATE_MODEL_CHECKPOINT")
 MODELS_ROOT = Path(env_str("FLOWSTATE_MODELS_ROOT", str(STATE_DIR / "models")))
+# Context (prompt + completion tokens) a registered model is served with: sizes each of its KV cache's slots,
+# capped by the model's own max_position_embeddings.
+MODELS_SERVING_CONTEXT = env_int("FLOWSTATE_MODELS_SERVING_CONTEXT", 4096, minimum=256, maximum=1_048_576)
 # /metrics: staff sessions, or a scraper sending `Authorization: Bearer <METRICS_TOKEN>` (unset: staff only).
 METRICS_TOKEN = env_optional("METRICS_TOKEN")
 OPENAI_BASE_URL = env_optional("OPENAI_BASE_URL")

@@ -111,3 +111,71 @@ def test_builtin_model_task_end_to_end(builtin_model, owner, demo_repository, as
     assert task.status in ("succeeded", "failed") and task.status_reason
     assert "policy error" not in task.status_reason, task.status_reason
     assert task.model_name == "flowstate" and task.backend == "builtin"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_openai_client_n_choices_logprobs_and_streaming(builtin_model, owner, asgi_server):
+    """n seeded samples with OpenAI-shaped logprobs equal to a forward pass of the checkpoint, streamed alike."""
+    import torch
+
+    from training.checkpoint import load_checkpoint
+
+    client = openai.OpenAI(base_url=f"http://{asgi_server}/v1", api_key=api_token_get_or_create(user=owner), max_retries=0)
+    request = {"model": "flowstate", "messages": [{"role": "user", "content": "Read README.md please."}],
+               "max_tokens": 8, "temperature": 1.0, "seed": 9, "logprobs": True, "top_logprobs": 3}
+    response = client.chat.completions.create(n=3, **request)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    model, _, _ = load_checkpoint(builtin_model)
+    samples = []
+    for choice in response.choices:
+        extension = choice.model_extra["flowstate"]
+        entries = choice.logprobs.content
+        assert len(entries) == len(extension["token_ids"]) and all(len(e.top_logprobs) == 3 for e in entries)
+        ids = extension["prompt_token_ids"] + extension["token_ids"]
+        with torch.no_grad():
+            expected = model(torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)[len(extension["prompt_token_ids"]) - 1:]
+        for step, (entry, token) in enumerate(zip(entries, extension["token_ids"], strict=True)):
+            assert abs(entry.logprob - expected[step, token].item()) < 1e-4
+            top = expected[step].topk(3).values.tolist()
+            assert all(abs(a.logprob - b) < 1e-4 for a, b in zip(entry.top_logprobs, top, strict=True))
+        samples.append(tuple(extension["token_ids"]))
+    assert len(set(samples)) == 3
+    assert response.usage.completion_tokens == sum(len(s) for s in samples)
+
+    chunks = list(client.chat.completions.create(n=2, stream=True, **request))
+    for index in (0, 1):
+        streamed = [e for c in chunks for ch in c.choices if ch.index == index and ch.logprobs for e in ch.logprobs.content]
+        whole = response.choices[index].logprobs.content
+        # the same seeded samples; logprobs equal up to rounding (another batch, a prefix-cache hit)
+        assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in whole]
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+        text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices if ch.index == index)
+        assert text == (response.choices[index].message.content or "")
+    with pytest.raises(openai.BadRequestError, match="n must be an integer between 1 and 16"):
+        client.chat.completions.create(model="flowstate", messages=request["messages"], n=17)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be an integer between 0 and 20"):
+        client.chat.completions.create(model="flowstate", messages=request["messages"], logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
+        client.chat.completions.create(model="flowstate", messages=request["messages"], top_logprobs=2)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("extra, message", [
+    ({"n": 0}, "n must be an integer between 1 and 16"),
+    ({"n": True}, "n must be an integer between 1 and 16"),
+    ({"n": 2.0}, "n must be an integer between 1 and 16"),
+    ({"n": 10**30}, "n must be an integer between 1 and 16"),
+    ({"logprobs": "yes"}, "logprobs must be true or false"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs must be an integer between 0 and 20"),
+    ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs must be an integer between 0 and 20"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs requires logprobs: true"),
+], ids=["n-zero", "n-bool", "n-float", "n-huge", "logprobs-string", "top-negative", "top-string", "top-without-logprobs"])
+def test_hostile_n_and_logprobs_are_refused_before_any_model_loads(owner, settings, extra, message):
+    settings.MODEL_CHECKPOINT = None  # validation must answer before the (absent) model is looked at
+    body = {"model": "flowstate", "messages": [{"role": "user", "content": "x"}], **extra}
+    response = Client().post("/v1/chat/completions", data=body, content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {api_token_get_or_create(user=owner)}")
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["param"] == ("top_logprobs" if "top_logprobs" in extra else next(iter(extra)))

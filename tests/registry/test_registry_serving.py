@@ -107,3 +107,43 @@ def test_task_form_offers_visible_registered_models(client, registered, outsider
     client.force_login(outsider)
     page = client.get("/tasks/").content.decode()
     assert 'value="tiny-public"' in page and "tiny-private" not in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_openai_client_n_logprobs_streaming_on_a_registered_model(source_dir, settings, tmp_path, owner, asgi_server):
+    """A registered Qwen3-MoE through the live server: n samples whose logprobs/top_logprobs equal
+    transformers' own forward of the checkpoint, and the streamed choices carry the same entries."""
+    import openai
+    import torch
+    import transformers
+
+    settings.MODELS_ROOT = tmp_path / "models"
+    import_model(source=source_dir, name="tiny-live", verify_weights=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+    client = openai.OpenAI(base_url=f"http://{asgi_server}/v1", api_key=api_token_get_or_create(user=owner),
+                           max_retries=0)
+    request = {"model": "tiny-live", "messages": [{"role": "user", "content": "read a.py"}], "tools": TOOLS,
+               "max_tokens": 6, "temperature": 0.8, "seed": 21, "logprobs": True, "top_logprobs": 4}
+    response = client.chat.completions.create(n=3, **request)
+    samples = []
+    for choice in response.choices:
+        extension = choice.model_extra["flowstate"]
+        prompt, tokens = extension["prompt_token_ids"], extension["token_ids"]
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        expected = (logits / 0.8).log_softmax(-1)
+        entries = choice.logprobs.content
+        assert [e.logprob for e in entries] == pytest.approx([expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-4)
+        for step, entry in enumerate(entries):
+            assert [a.logprob for a in entry.top_logprobs] == pytest.approx(expected[step].topk(4).values.tolist(), abs=1e-4)
+            assert all(bytes(a.bytes).decode("utf-8", "replace") == a.token for a in entry.top_logprobs)
+        samples.append(tuple(tokens))
+    assert len(set(samples)) == 3 and [c.index for c in response.choices] == [0, 1, 2]
+    chunks = list(client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **request))
+    for index in (0, 1):
+        streamed = [e for c in chunks for ch in c.choices if ch.index == index and ch.logprobs for e in ch.logprobs.content]
+        whole = response.choices[index].logprobs.content
+        # the same seeded samples; logprobs equal up to rounding (another batch, a prefix-cache hit)
+        assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in whole]
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert chunks[-1].usage.completion_tokens == len(samples[0]) + len(samples[1])

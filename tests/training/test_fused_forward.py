@@ -12,7 +12,7 @@ import torch
 
 from training.engine import EngineConfig, GenerationEngine, SamplingParams
 from training.model import KVCache, ModelConfig, MoETransformer
-from training.model.fused_forward import FusedForward
+from training.model.fused_forward import FusedForward, fused_forward_supports
 
 torch.set_num_threads(1)
 
@@ -181,3 +181,29 @@ def test_only_models_that_may_compute_every_expert_hold_a_fused_expert_copy():
     """For 8 experts and top-2 the all-experts path never pays, so a copy of every expert would be waste."""
     assert all(layer.ffn_in is not None for layer in FusedForward(_model()).weights().layers)
     assert all(layer.ffn_in is None for layer in FusedForward(_model(n_experts=8)).weights().layers)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"qk_norm": "head"}, {"qk_norm": "full", "clip_qkv": 0.6}, {"qkv_bias": True, "output_bias": True},
+     {"qk_norm": "head", "qkv_bias": True, "n_experts": 8}, {"clip_qkv": 0.5, "feed_forward": "dense"}],
+    ids=["qwen3-head-qk-norm", "olmoe-full-qk-norm-clip", "biases", "qk-norm-biases-dispatch", "clip-only-dense"],
+)
+@pytest.mark.parametrize("slots", [[1, 2, 3], [3, 0, 2]], ids=["consecutive-slots", "scattered-slots"])
+def test_fused_forward_computes_the_imported_families_options(overrides, slots):
+    """qk-norm, clipping and biases (Qwen3, OLMoE, Qwen2) inside the fused path equal the model's forward,
+    with the norm weights and biases random (not their identity initialisation) and clipping active."""
+    assert fused_forward_supports(ModelConfig.named("tiny", **overrides))
+    model = _model(**overrides)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                parameter.copy_(1.0 + 0.5 * torch.randn_like(parameter) if "norm" in name else torch.randn_like(parameter))
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 12))
+    reference, fused, reference_routing, fused_routing = _reference_and_fused(model, input_ids, slots, prefill=7)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    if model.config.is_moe:
+        assert torch.equal(fused_routing, reference_routing)
+    if model.config.clip_qkv is not None:  # the clamp did bite: without it the logits differ
+        projected = model.layers[0].attention.wv(model.layers[0].attention_norm(model.embed(input_ids)))
+        assert projected.abs().max() > model.config.clip_qkv

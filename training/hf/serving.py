@@ -48,13 +48,13 @@ class HFChatModel(ChatModel):
     """A registered Hugging Face model answering chat requests (thread-safe, continuous batching)."""
 
     def __init__(self, directory: str | Path, *, name: str, engine_config: EngineConfig | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", context: int = DEFAULT_CONTEXT) -> None:
         self.directory = Path(directory)
         self.chat = HFChatFormat.from_directory(self.directory)
         self.hf_tokenizer = load_tokenizer(self.directory)
         self.stop_ids = stop_token_ids(self.directory, self.hf_tokenizer, self.chat)
         model, _, _ = load_hf_model(self.directory, dtype=torch.float32, device=device)
-        config = engine_config or EngineConfig(max_seq_len=min(DEFAULT_CONTEXT, model.config.max_seq_len))
+        config = engine_config or EngineConfig(max_seq_len=min(context, model.config.max_seq_len))
         super().__init__(model, None, name=name, engine_config=config, copy_constraint=False)
 
     @classmethod
@@ -71,8 +71,10 @@ class HFChatModel(ChatModel):
         return chat_model
 
     @classmethod
-    def shared(cls, directory: str | Path, name: str | None = None) -> HFChatModel:  # type: ignore[override]
-        """One HFChatModel per model directory per process, reloaded when its config.json changes."""
+    def shared(cls, directory: str | Path, name: str | None = None,  # type: ignore[override]
+               context: int = DEFAULT_CONTEXT) -> HFChatModel:
+        """One HFChatModel per model directory per process, reloaded when its config.json changes.
+        context: longest prompt + completion (capped by the model's own), see HFChatModel.__init__."""
         path = Path(directory).resolve()
         stamp = (path / CONFIG_FILE).stat().st_mtime_ns
         with _SHARED_LOCK:
@@ -81,7 +83,7 @@ class HFChatModel(ChatModel):
                 return cached[1]
             if cached is not None:
                 cached[1].close()
-            chat_model = cls(path, name=name or path.name)
+            chat_model = cls(path, name=name or path.name, context=context)
             _SHARED[path] = (stamp, chat_model)
             return chat_model
 
@@ -91,6 +93,9 @@ class HFChatModel(ChatModel):
 
     def _stop_token_ids(self) -> Sequence[int]:
         return self.stop_ids
+
+    def _tokenizer_backend(self):
+        return self.hf_tokenizer
 
     def _decode(self, token_ids: list[int]) -> str:
         stops = set(self.stop_ids)

@@ -5,7 +5,9 @@ which only the GEMMs do real work), so this path computes the same function as
 ``MoETransformer.forward(..., kv_cache=...)`` with far fewer operators:
 
 - Q, K, V and the rotate-half of Q and K come out of one matmul: rotate-half is a signed permutation
-  of each head's rows, so it folds into the weight and RoPE becomes one multiply and one addcmul;
+  of each head's rows, so it folds into the weight and RoPE becomes one multiply and one addcmul
+  (imported families' options: attention biases fold alike; with qk-norm or qkv clipping, which sit
+  between the projection and RoPE, Q, K and V come out of one matmul and are rotated afterwards);
 - attention is baddbmm (scores + additive mask) / softmax / bmm over (batch x kv-head) with the query
   heads of a group as rows, with the mask built once per forward and shared by every layer;
 - the MoE router, every expert's gate and every expert's up projection are one matmul when all
@@ -77,14 +79,33 @@ def _rotate_half_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return torch.cat([-second, first], dim=1).reshape(weight.shape)
 
 
+def _rotation_folds(config: ModelConfig) -> bool:
+    """Whether rotate_half(Q), rotate_half(K) can come out of the projection: nothing nonlinear (qk-norm,
+    clipping) sits between the projection and the rotary embedding."""
+    return config.qk_norm == "none" and config.clip_qkv is None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
 @dataclass
 class _LayerWeights:
     qkv_rotated: torch.Tensor
     """[d_model, (2 * n_heads + 3 * n_kv_heads) * head_dim]: columns of Q, K, V, rotate_half(Q), rotate_half(K),
-    rows scaled by the attention norm (see _norm_scale). Every fused weight is stored [in, out], which
-    torch.mm takes without a transpose (measurably faster than F.linear for a few rows)."""
+    rows scaled by the attention norm (see _norm_scale); only Q, K, V ([d_model, (n_heads + 2 * n_kv_heads)
+    * head_dim]) when the rotation does not fold (_rotation_folds). Every fused weight is stored [in, out],
+    which torch.mm takes without a transpose (measurably faster than F.linear for a few rows)."""
+    qkv_bias: torch.Tensor | None
+    """The projection's bias in the same column order (qkv_bias models), else None."""
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    """qk-norm weights ([head_dim] per head, or [heads * head_dim] for "full"), else None."""
     attention_out: torch.Tensor
     """[n_heads * head_dim, d_model] (wo transposed, a view)."""
+    attention_out_bias: torch.Tensor | None
+    """wo's bias (output_bias models), else None."""
     ffn_norm: torch.Tensor
     """The feed-forward norm's weight times sqrt(d_model), for the model's own MoE layer (dispatch)."""
     ffn_in: torch.Tensor | None
@@ -111,16 +132,20 @@ class _Weights:
         # folded in: the final norm's weight costs one multiply of [B, d_model].
         self.norm = _norm_scale(model.norm)
         self.output = model.output.weight
-        self.layers = [self._layer(block, config.n_heads, config.n_kv_heads) for block in model.layers]
+        folds = _rotation_folds(config)
+        self.layers = [self._layer(block, config.n_heads, config.n_kv_heads, folds) for block in model.layers]
 
     @staticmethod
-    def _layer(block: TransformerBlock, n_heads: int, n_kv_heads: int) -> _LayerWeights:
+    def _layer(block: TransformerBlock, n_heads: int, n_kv_heads: int, folds: bool) -> _LayerWeights:
         attention, feed_forward = block.attention, block.feed_forward
         wq, wk, wv = attention.wq.weight, attention.wk.weight, attention.wv.weight
-        qkv_rotated = _in_out(
-            torch.cat([wq, wk, wv, _rotate_half_rows(wq, n_heads), _rotate_half_rows(wk, n_kv_heads)])
-            * _norm_scale(block.attention_norm)
-        )
+        rotated = [_rotate_half_rows(wq, n_heads), _rotate_half_rows(wk, n_kv_heads)] if folds else []
+        qkv_rotated = _in_out(torch.cat([wq, wk, wv, *rotated]) * _norm_scale(block.attention_norm))
+        qkv_bias = None
+        if attention.wq.bias is not None:
+            bq, bk, bv = attention.wq.bias, attention.wk.bias, attention.wv.bias
+            rotated = [_rotate_half_rows(bq[:, None], n_heads)[:, 0], _rotate_half_rows(bk[:, None], n_kv_heads)[:, 0]]
+            qkv_bias = torch.cat([bq, bk, bv, *(rotated if folds else [])])
         ffn_norm = _norm_scale(block.ffn_norm)
         if isinstance(feed_forward, DenseFeedForward):
             ffn_in = _in_out(torch.cat([feed_forward.w_gate.weight, feed_forward.w_up.weight]) * ffn_norm)
@@ -144,7 +169,11 @@ class _Weights:
             ffn_out = feed_forward.w_down.reshape(n_experts * d_ff, d_model)
         return _LayerWeights(
             qkv_rotated=qkv_rotated,
+            qkv_bias=qkv_bias,
+            q_norm=None if attention.q_norm is None else attention.q_norm.weight,
+            k_norm=None if attention.k_norm is None else attention.k_norm.weight,
             attention_out=attention.wo.weight.t(),
+            attention_out_bias=attention.wo.bias,
             ffn_norm=ffn_norm,
             ffn_in=ffn_in,
             ffn_out=ffn_out,
@@ -179,15 +208,14 @@ class _Step:
 
 
 def fused_forward_supports(config: ModelConfig) -> bool:
-    """Whether the fused path computes this model: not with qk-norm, attention biases, qkv clipping, latent
-    attention or DeepSeek's routing options (sigmoid scores, groups, shared experts, dense layers, scaled
-    gates), options of imported Hugging Face families, which run MoETransformer.forward instead."""
-    plain_attention = (config.attention == "gqa" and config.qk_norm == "none" and not config.qkv_bias
-                       and not config.output_bias and config.clip_qkv is None)
+    """Whether the fused path computes this model: the imported families' attention options (qk-norm per
+    head or over all heads, attention biases, qkv clipping) yes; latent attention and DeepSeek's routing
+    options (sigmoid scores, groups, shared experts, dense layers, scaled gates) not: those models run
+    MoETransformer.forward instead."""
     plain_moe = (config.router_score == "softmax" and not config.router_score_bias and config.n_expert_groups == 1
                  and not config.n_shared_experts and not config.first_dense_layers
                  and config.routed_scaling_factor == 1.0)
-    return plain_attention and plain_moe
+    return config.attention == "gqa" and config.qk_norm in ("none", "head", "full") and plain_moe
 
 
 class FusedForward:
@@ -198,11 +226,13 @@ class FusedForward:
         self.model = model
         self.config = config
         self.groups = config.n_heads // config.n_kv_heads
-        # heads of the fused QKV projection: Q and K (to be rotated), V, rotate_half(Q) and rotate_half(K)
+        self.rotation_folds = _rotation_folds(config)
+        # heads of the fused QKV projection: Q and K (to be rotated), V, rotate_half(Q) and rotate_half(K);
+        # Q, K and V when the rotation does not fold
         self.projection_heads = (
-            config.n_heads + config.n_kv_heads,
-            config.n_kv_heads,
-            config.n_heads + config.n_kv_heads,
+            (config.n_heads + config.n_kv_heads, config.n_kv_heads, config.n_heads + config.n_kv_heads)
+            if self.rotation_folds
+            else (config.n_heads, config.n_kv_heads, config.n_kv_heads)
         )
         self.scale = 1.0 / math.sqrt(config.head_dim)
         device = model.embed.weight.device
@@ -361,9 +391,18 @@ class FusedForward:
         )
         batch, length, visible = step.batch, step.length, step.visible
         tokens = batch * length
-        projected = torch.mm(self._normalized(hidden), layer.qkv_rotated).view(tokens, -1, head_dim)
-        # split_with_sizes: Tensor.split is a Python wrapper around it, which shows at this call rate
-        query_key, value, query_key_rotated = projected.split_with_sizes(self.projection_heads, dim=1)
+        normed = self._normalized(hidden)
+        projected = (
+            torch.mm(normed, layer.qkv_rotated)
+            if layer.qkv_bias is None
+            else torch.addmm(layer.qkv_bias, normed, layer.qkv_rotated)
+        ).view(tokens, -1, head_dim)
+        if self.rotation_folds:
+            # split_with_sizes: Tensor.split is a Python wrapper around it, which shows at this call rate
+            query_key, value, query_key_rotated = projected.split_with_sizes(self.projection_heads, dim=1)
+        else:
+            query_key, value = self._normed_clipped(projected, layer)
+            query_key_rotated = _rotate_half(query_key)
         query, key = torch.addcmul(query_key * step.cos, query_key_rotated, step.sin).split_with_sizes(
             (n_heads, n_kv_heads), dim=1
         )
@@ -401,7 +440,27 @@ class FusedForward:
                 .permute(0, 3, 1, 2, 4)
                 .reshape(tokens, n_heads * head_dim)
             )
+        if layer.attention_out_bias is not None:
+            hidden = hidden + layer.attention_out_bias
         return self._add_projection(hidden, attended, layer.attention_out)
+
+    def _normed_clipped(self, projected: torch.Tensor, layer: _LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q and K [tokens, n_heads + n_kv_heads, head_dim], V) after qk-norm and clipping, in
+        Attention._project's order: the norm over all heads, the per-head norm, then the clamp."""
+        config = self.config
+        tokens, _, head_dim = projected.shape
+        query, key, value = projected.split_with_sizes(self.projection_heads, dim=1)
+        if config.qk_norm == "full":
+            query = F.rms_norm(query.reshape(tokens, -1), (query.shape[1] * head_dim,), layer.q_norm, config.norm_eps)
+            key = F.rms_norm(key.reshape(tokens, -1), (key.shape[1] * head_dim,), layer.k_norm, config.norm_eps)
+        elif config.qk_norm == "head":
+            query = F.rms_norm(query, (head_dim,), layer.q_norm, config.norm_eps)
+            key = F.rms_norm(key, (head_dim,), layer.k_norm, config.norm_eps)
+        query_key_value = torch.cat([query.reshape(tokens, -1, head_dim), key.reshape(tokens, -1, head_dim), value], 1)
+        if config.clip_qkv is not None:
+            query_key_value = query_key_value.clamp(-config.clip_qkv, config.clip_qkv)
+        query_key, value = query_key_value.split_with_sizes((config.n_heads + config.n_kv_heads, config.n_kv_heads), 1)
+        return query_key, value
 
     def _feed_forward(
         self, hidden: torch.Tensor, layer: _LayerWeights, routing: list[torch.Tensor]

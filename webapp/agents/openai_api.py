@@ -3,25 +3,31 @@
 ``POST /v1/chat/completions`` (tools, streaming, ``stream_options.include_usage``) and
 ``GET /v1/models``, authenticated with a Flowstate API token as the bearer key, so the official
 ``openai`` client, the agent loop's ``OpenAIChatPolicy`` and third-party tools all work unchanged.
+``n`` (1..16 independent samples; choice i seeded from ``seed`` and i), ``logprobs`` and ``top_logprobs``
+(0..20) work for the built-in and every registered model, streamed or not (webapp.agents.openai_responses).
 Responses carry the standard fields plus ``flowstate`` (prompt/completion token ids, logprobs,
 routed experts) for RL.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import JsonResponse, StreamingHttpResponse
+from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from rest_framework.authtoken.models import Token
 
+from webapp.agents.openai_responses import completion_response, streaming_response
 from webapp.core.validation import Range, finite_json_loads, integer_check, number_check
+
+MAX_CHOICES = 16
+"""Most choices (``n``) per request; training.serving.MAX_CHOICES."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token (``top_logprobs``), OpenAI's limit; training.sampling.MAX_TOP_LOGPROBS."""
 
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
@@ -51,7 +57,7 @@ def _registered_chat_model(user, name: str):
         return None, _error(404, f"model '{name}' does not exist; see /v1/models for the models you may use",
                             param="model", code="model_not_found")
     try:
-        return HFChatModel.shared(registered.directory, registered.name), None
+        return HFChatModel.shared(registered.directory, registered.name, context=settings.MODELS_SERVING_CONTEXT), None
     except (HFDirectoryError, WeightsError, TemplateRenderError, OSError, ValueError) as exc:
         return None, _error(503, f"model '{name}' cannot be loaded: {exc}", kind="server_error",
                             code="model_unavailable")
@@ -86,28 +92,27 @@ def _parse_request(body: bytes) -> tuple[dict[str, Any] | None, JsonResponse | N
     tools = data.get("tools") or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
         return None, _error(400, "tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", param="tools")
-    if data.get("n", 1) != 1:
-        return None, _error(400, "only n=1 is supported", param="n")
     tokens = Range(1, settings.AGENT_MAX_CONTEXT_TOKENS)
     checks = (("max_tokens", integer_check, tokens), ("max_completion_tokens", integer_check, tokens),
               ("temperature", number_check, Range(0, 2)), ("top_p", number_check, Range(0, 1)),
-              ("seed", integer_check, Range(-(2**63), 2**63 - 1)))
+              ("seed", integer_check, Range(-(2**63), 2**63 - 1)), ("n", integer_check, Range(1, MAX_CHOICES)),
+              ("top_logprobs", integer_check, Range(0, MAX_TOP_LOGPROBS)))
     for name, check, bounds in checks:
         if data.get(name) is not None:
             try:
                 check(name, data[name], bounds)
             except ValueError as exc:
                 return None, _error(400, str(exc), param=name)
+    if data.get("logprobs") is not None and not isinstance(data["logprobs"], bool):
+        return None, _error(400, "logprobs must be true or false", param="logprobs")
+    if data.get("top_logprobs") is not None and not data.get("logprobs"):
+        return None, _error(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     return {
+        "n": data.get("n") or 1, "logprobs": bool(data.get("logprobs")), "top_logprobs": data.get("top_logprobs") or 0,
         "messages": messages, "tools": tools, "max_tokens": data.get("max_completion_tokens") or data.get("max_tokens"),
         "temperature": float(data.get("temperature", 1.0)), "top_p": float(data.get("top_p", 1.0)), "seed": data.get("seed"),
         "model": data["model"], "stream": bool(data.get("stream")), "include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
     }, None
-
-
-def _usage(completion) -> dict:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
 
 
 @csrf_exempt
@@ -127,83 +132,21 @@ def chat_completions(request):
         model, problem = _registered_chat_model(user, model_name)
     if problem:
         return problem
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    arguments = {key: parsed[key] for key in ("messages", "tools", "max_tokens", "temperature", "top_p", "seed")}
+    arguments = {key: parsed[key] for key in ("messages", "tools", "n", "max_tokens", "temperature", "top_p", "seed",
+                                              "top_logprobs")}
     try:
-        stream = model.stream(**arguments)
+        stream = model.stream_choices(**arguments)
         first = next(stream)
     except ValueError as exc:
         return _error(400, str(exc), param="messages", code="context_length_exceeded")
     except Exception as exc:  # noqa: BLE001 - any generation failure becomes an OpenAI-style 500
         return _error(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error")
-
+    header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+    token_bytes = model.token_bytes() if parsed["logprobs"] else None
     if not parsed["stream"]:
-        return _completion_response(first, stream, completion_id=completion_id, created=created, model_name=model_name)
-    return _streaming_response(first, stream, include_usage=parsed["include_usage"], completion_id=completion_id,
-                               created=created, model_name=model_name)
-
-
-def _completion_response(first, stream, *, completion_id: str, created: int, model_name: str) -> JsonResponse:
-    """A non-streaming answer: the stream drained, its last item the completion."""
-    completion = first
-    for item in stream:
-        completion = item
-    message: dict[str, Any] = {"role": "assistant", "content": completion.content}
-    if completion.tool_calls:
-        message["tool_calls"] = completion.tool_calls
-    return JsonResponse({
-        "id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
-        "usage": _usage(completion), "flowstate": completion.flowstate_extension(),
-    })
-
-
-def _streaming_response(first, stream, *, include_usage: bool, completion_id: str, created: int,
-                        model_name: str) -> StreamingHttpResponse:
-    """A server-sent-events answer: text chunks as generated, then tool calls, the finish reason and usage."""
-
-    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
-        body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                "model": model_name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
-        return f"data: {json.dumps(body)}\n\n"
-
-    def events():
-        yield chunk({"role": "assistant", "content": ""})
-        item = first
-        try:
-            while True:
-                if isinstance(item, str):
-                    yield chunk({"content": item})
-                else:
-                    completion = item
-                    if completion.tool_calls:
-                        calls = [dict(call, index=index) for index, call in enumerate(completion.tool_calls)]
-                        yield chunk({"tool_calls": calls})
-                    yield chunk({}, completion.finish_reason)
-                    if include_usage:
-                        yield ("data: " + json.dumps({
-                            "id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model_name, "choices": [], "usage": _usage(completion),
-                            "flowstate": completion.flowstate_extension()}) + "\n\n")
-                    break
-                item = next(stream)
-        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-stream as OpenAI does
-            yield "data: " + json.dumps({"error": {"message": f"generation failed: {exc}", "type": "server_error"}}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def events_async():
-        # Pull each chunk in a worker thread so the event loop keeps serving while tokens are generated.
-        iterator = events()
-        done = object()
-        while (part := await sync_to_async(next, thread_sensitive=False)(iterator, done)) is not done:
-            yield part
-
-    response = StreamingHttpResponse(events_async(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    return response
+        return completion_response(first, stream, header=header, n=parsed["n"], token_bytes=token_bytes)
+    return streaming_response(first, stream, header=header, n=parsed["n"], token_bytes=token_bytes,
+                              include_usage=parsed["include_usage"])
 
 
 @require_GET
