@@ -110,9 +110,11 @@ def test_grpo_update_on_imported_moe_uses_mxfp8_replays_routing_and_lowers_the_l
     first = learner.update(scored)
     assert calls.calls > 0  # the learner's experts ran the MXFP8 path (forward and backward)
     assert first.stats["trained_tokens"] == sum(record.completion_tokens for record in records)
-    # Routing replay + the same MXFP8 numerics: the learner reproduces the sampler's logprobs up to the
-    # quantisation's sensitivity to the decode-vs-full-forward rounding (3e-4 per token measured; fp32 gives 1e-6).
-    assert first.stats["logprob_mismatch"] < 2e-3
+    # Routing replay + the same MXFP8 numerics: the learner reproduces the sampler's logprobs up to bf16 and the
+    # quantisation's sensitivity to the decode-vs-full-forward rounding. Measured per token: 3e-4 when the engine
+    # decoded through MoETransformer.forward, 1.1e-2 since qk-norm models decode through the fused path (bf16,
+    # another operation order; fp32 gives 1e-6 either way). Without routing replay a routing flip costs ~1e-1.
+    assert first.stats["logprob_mismatch"] < 3e-2
     second = learner.update(scored)
     assert second.stats["loss"] < first.stats["loss"] - 1e-4
 
