@@ -113,7 +113,7 @@ def test_grpo_update_on_imported_moe_uses_mxfp8_replays_routing_and_lowers_the_l
     # Routing replay + the same MXFP8 numerics: the learner reproduces the sampler's logprobs up to bf16 and the
     # quantisation's sensitivity to the decode-vs-full-forward rounding. Measured per token: 3e-4 when the engine
     # decoded through MoETransformer.forward, 1.1e-2 since qk-norm models decode through the fused path (bf16,
-    # another operation order; fp32 gives 1e-6 either way). Without routing replay a routing flip costs ~1e-1.
+    # another operation order; fp32 gives 1e-6 either way).
     assert first.stats["logprob_mismatch"] < 3e-2
     second = learner.update(scored)
     assert second.stats["loss"] < first.stats["loss"] - 1e-4
