@@ -42,7 +42,8 @@ def test_a_run_records_the_snapshot_it_works_on(shared_task):
 def test_a_run_starts_the_index_build_when_its_sandbox_is_ready_not_at_the_first_search(
     shared_task, settings, tmp_path
 ):
-    """The build's progress file is written before the agent's first step, so the page shows it from the start."""
+    """The build starts as soon as the run's start event is stored (the attempt is on record first), before
+    any of the agent's steps, so the page shows it from the start and long before the first search."""
     from sandboxes.semantic.progress import index_progress_list
     from webapp.agents.models import TaskEvent
 
@@ -56,9 +57,11 @@ def test_a_run_starts_the_index_build_when_its_sandbox_is_ready_not_at_the_first
             break
         time.sleep(0.1)
     events = TaskEvent.objects.filter(task=shared_task).order_by("seq")
-    first_step = events.first().ts
+    start, first_step = events[0], events[1]
+    assert start.kind == "start"
     first_search = events.filter(tool_name="semantic_search").first().ts
-    assert row.started_at < first_step < first_search, (row.started_at, first_step, first_search)
+    assert start.ts <= row.started_at < first_step.ts <= first_search, (start.ts, row.started_at, first_step.ts,
+                                                                         first_search)
     # The scripted agent searched once; its run ended with the build ready, or stopped with the run.
     assert row.state in ("ready", "cancelled"), row
 

@@ -104,6 +104,9 @@ class DirectoryBackend(SandboxBackend):
     def sandbox_fork(self, *, snapshot: Snapshot, count: int, limits: SandboxLimits) -> list[Sandbox]:
         return [self.sandbox_create(snapshot=snapshot, limits=limits) for _ in range(count)]
 
+    def snapshot_delete(self, *, snapshot: Snapshot) -> None:
+        shutil.rmtree(snapshot.location, ignore_errors=True)
+
     def reap_orphans(self) -> int:
         return 0
 

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -175,17 +176,24 @@ def _history(task: AgentTask) -> list[dict]:
     return history or [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
 
 
-def agent_callbacks(*, task_id: int, token, lost: threading.Event):
+def agent_callbacks(*, task_id: int, token, lost: threading.Event,
+                    after_first_event: Callable[[], None] | None = None):
     """(on_event, should_stop) of a claimed run: events stored under the claim, the run stopped when the
-    claim is lost or the user cancels (task_run and follow-ups alike)."""
+    claim is lost or the user cancels (task_run and follow-ups alike). ``after_first_event`` runs once, when
+    the run's first event (its ``start``) is stored: work that may compete with the agent for the process
+    (the semantic index build) starts only once the attempt is on record."""
     from training.agent.loop import AgentStopped
     from webapp.agents.events import ClaimLost, task_event_append
+
+    pending = [after_first_event] if after_first_event is not None else []
 
     def on_event(event: dict) -> None:
         try:
             task_event_append(task_id=task_id, claim_token=token, event=event)
         except ClaimLost as exc:
             raise AgentStopped(str(exc)) from exc
+        while pending:
+            pending.pop()()
 
     def should_stop() -> str | None:
         if lost.is_set():

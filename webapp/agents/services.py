@@ -482,10 +482,11 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
         # The sandbox's own snapshot: the one its semantic index is keyed by (for the fleet, the copy on its host).
         _db_retry(lambda: task_snapshot_record(task_id=task_id, claim_token=token, snapshot_id=sandbox.snapshot.id),
                   what=f"recording the snapshot of task {task_id}")
-        _semantic_index_start(sandbox, task_id)
         task.snapshot_id = snapshot.id  # verification skips setup already in a repository's prepared snapshot
 
-        on_event, should_stop = followups.agent_callbacks(task_id=task_id, token=token, lost=lost)
+        on_event, should_stop = followups.agent_callbacks(
+            task_id=task_id, token=token, lost=lost,
+            after_first_event=lambda: _semantic_index_start(sandbox, task_id))
         result = run_agent(sandbox=sandbox, policy=policy, prompt=task.prompt, limits=limits, on_event=on_event,
                            should_stop=should_stop, first_seq=task.last_seq + 1,
                            next_message=followups.next_message_for(task_id=task_id))
