@@ -11,7 +11,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,17 +211,7 @@ class ChatModel:
     @classmethod
     def shared(cls, checkpoint_dir: str | Path) -> ChatModel:
         """One ChatModel per checkpoint per process, reloaded when the checkpoint is rewritten."""
-        path = Path(checkpoint_dir).resolve()
-        stamp = (path / CONFIG_FILE).stat().st_mtime_ns
-        with _SHARED_LOCK:
-            cached = _SHARED.get(path)
-            if cached is not None and cached[0] == stamp and not cached[1]._closed:
-                return cached[1]
-            if cached is not None:
-                cached[1].close()
-            chat_model = cls.load(path)
-            _SHARED[path] = (stamp, chat_model)
-            return chat_model
+        return shared_chat_model(Path(checkpoint_dir), kind="checkpoint", build=cls.load)
 
     # ------------------------------------------------------------------ public API
     def complete(
@@ -531,5 +521,21 @@ class ChatModel:
         by_request.clear()
 
 
-_SHARED: dict[Path, tuple[int, ChatModel]] = {}
+_SHARED: dict[tuple[str, Path], tuple[int, ChatModel]] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def shared_chat_model(directory: Path, *, kind: str, build: Callable[[Path], ChatModel]) -> ChatModel:
+    """The process's one model served from ``directory`` (a checkpoint, or an imported model's directory:
+    ``kind`` keeps the two caches apart), built by ``build`` and rebuilt when its config.json is rewritten."""
+    path = directory.resolve()
+    stamp = (path / CONFIG_FILE).stat().st_mtime_ns
+    with _SHARED_LOCK:
+        cached = _SHARED.get((kind, path))
+        if cached is not None and cached[0] == stamp and not cached[1]._closed:
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        chat_model = build(path)
+        _SHARED[(kind, path)] = (stamp, chat_model)
+        return chat_model

@@ -4,7 +4,6 @@ model's own chat template, tokenizer and tool-call syntax."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,12 @@ from training.hf.chat import (
     load_tokenizer,
 )
 from training.hf.directory import GENERATION_CONFIG_FILE
-from training.hf.loading import CONFIG_FILE, load_hf_model
-from training.serving import ChatCompletion, ChatModel
+from training.hf.loading import load_hf_model
+from training.serving import ChatCompletion, ChatModel, shared_chat_model
 
 DEFAULT_CONTEXT = 4096
 """Context an imported model is served with (KV cache per slot), unless its own is shorter."""
 
-_SHARED: dict[Path, tuple[int, HFChatModel]] = {}
-_SHARED_LOCK = threading.Lock()
 
 
 def stop_token_ids(directory: Path, tokenizer, chat: HFChatFormat) -> tuple[int, ...]:
@@ -75,17 +72,10 @@ class HFChatModel(ChatModel):
                context: int = DEFAULT_CONTEXT) -> HFChatModel:
         """One HFChatModel per model directory per process, reloaded when its config.json changes.
         context: longest prompt + completion (capped by the model's own), see HFChatModel.__init__."""
-        path = Path(directory).resolve()
-        stamp = (path / CONFIG_FILE).stat().st_mtime_ns
-        with _SHARED_LOCK:
-            cached = _SHARED.get(path)
-            if cached is not None and cached[0] == stamp and not cached[1]._closed:
-                return cached[1]
-            if cached is not None:
-                cached[1].close()
-            chat_model = cls(path, name=name or path.name, context=context)
-            _SHARED[path] = (stamp, chat_model)
-            return chat_model
+        chat_model = shared_chat_model(Path(directory), kind="hf",
+                                       build=lambda path: cls(path, name=name or path.name, context=context))
+        assert isinstance(chat_model, HFChatModel)
+        return chat_model
 
     def _prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[int]:
         text = self.chat.render(messages, tools=tools, add_generation_prompt=True)
