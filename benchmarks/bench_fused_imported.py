@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_hf_engine import CONFIGS, SIZE, run_engine, transformers, workload
-from training.hf.loading import load_hf_model
+from benchmarks.bench_hf_engine import SIZE, imported_pair, run_engine, workload
 
 
 def main() -> None:
@@ -30,11 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for family in args.families.split(","):
-        torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
-        with tempfile.TemporaryDirectory() as directory:
-            reference.save_pretrained(directory)
-            model, _, _ = load_hf_model(directory, dtype=torch.float32)
+        _, model = imported_pair(family)
         pairs = [(prompt, 24) for prompt, _ in workload(SIZE["vocab_size"], requests=8)]
         tokens = sum(n for _, n in pairs)
         run_engine(model, pairs[:2], 8)  # warm-up

@@ -73,6 +73,16 @@ def run_engine(model, pairs, batch: int, fused: bool = True) -> float:
     return time.perf_counter() - start
 
 
+def imported_pair(family: str):
+    """(transformers' random model of ``family``, the same weights imported into Flowstate's model)."""
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as directory:
+        reference.save_pretrained(directory)
+        model, _, _ = load_hf_model(directory, dtype=torch.float32)
+    return reference, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(CONFIGS))
@@ -84,11 +94,7 @@ def main() -> None:
     print(f"{'family':<10} {'params':>9} {'tokens':>7} {'HF tok/s':>9} {'engine tok/s':>12} {'ratio':>6}"
           + (f" {'unfused tok/s':>13} {'ratio':>6}" if args.unfused else ""))
     for family in args.families.split(","):
-        torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
-        with tempfile.TemporaryDirectory() as directory:
-            reference.save_pretrained(directory)
-            model, _, _ = load_hf_model(directory, dtype=torch.float32)
+        reference, model = imported_pair(family)
         pairs = workload(SIZE["vocab_size"])
         tokens = sum(n for _, n in pairs)
         run_engine(model, pairs[:2], args.batch)  # warm-up
