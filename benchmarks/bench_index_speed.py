@@ -1,7 +1,8 @@
 """Indexing speed of encoder variants against the reference path, back to back in one run.
 
 The machine is shared, so only ratios taken in the same run mean anything: every round times the
-reference (sentence-transformers on torch, 256 word pieces, batches of 32) and each variant on the
+reference (the bundled six-layer MiniLM on sentence-transformers/torch, 256 word pieces, batches of 32:
+the index before issue 53) and each variant (the bundled MiniLM too unless --encoder) on the
 same fixed sample of the retrieval benchmark's chunks, rotating the order each round; the figure is
 the median over rounds of each variant's chunks/s divided by the reference's in that round.
 
@@ -11,7 +12,10 @@ instead of spinning between kernels). Recall of a variant that changes vectors i
 ``bench_retrieval.py`` (``--fast-max-seq-length``), not here.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_index_speed.py --chunks 256 --rounds 3 \\
-        onnx-int8:128:32 onnx-int8:128:32:fused onnx-int8:128:128:fused,nospin
+        onnx-int8:128:32:fused,nospin onnx-int8:96:32:fused,nospin
+    # a distilled student (manage.py distill_encoder) against the same reference:
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_index_speed.py --encoder var/embeddings/minilm-l3 \\
+        onnx-int8:96:32:fused,nospin
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ def _variant(spec: str, *, path: str, cache: Path, threads: int):
     model = load_encoder(path=path, max_seq_length=int(length))
     if backend == "torch":
         return TorchTextEncoder(model), int(batch)
+    if backend == "torch-bf16":
+        from sandboxes.semantic.bf16_encoder import TorchBf16TextEncoder
+
+        return TorchBf16TextEncoder(model=model, max_seq_length=int(length)), int(batch)
     from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
 
     onnx_path = onnx_model_path(model=model, cache_dir=cache / encoder_fingerprint(path), backend=backend,
@@ -54,7 +62,9 @@ def _variant(spec: str, *, path: str, cache: Path, threads: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="+", help="backend:max_seq_length:batch_size[:fused,nospin]")
-    parser.add_argument("--encoder", default=None, help="model directory (default: the bundled MiniLM)")
+    parser.add_argument("--encoder", default=None,
+                        help="the variants' model directory, e.g. a distilled student (default: the bundled MiniLM); "
+                             "the reference is always the bundled MiniLM")
     parser.add_argument("--chunks", type=int, default=256, help="chunks timed per round (fixed sample)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--encoder-cache", default="var/sandboxes/semantic-encoders")
@@ -68,7 +78,8 @@ def main() -> int:
     rows = np.random.default_rng(0).permutation(len(retrieval_set.chunks))[:args.chunks]
     texts = [retrieval_set.chunks[row].embedding_text() for row in sorted(rows)]
     specs = [REFERENCE, *[spec for spec in args.variants if spec != REFERENCE]]
-    encoders = {spec: _variant(spec, path=path, cache=Path(args.encoder_cache), threads=threads) for spec in specs}
+    encoders = {spec: _variant(spec, path=default_encoder_path() if spec == REFERENCE else path,
+                               cache=Path(args.encoder_cache), threads=threads) for spec in specs}
     print(f"{len(texts)} chunks, {threads} threads, load {os.getloadavg()[0]:.2f}", flush=True)
     for encoder, batch in encoders.values():
         encoder.encode(texts[:batch], batch_size=batch)  # warm-up

@@ -13,7 +13,7 @@ from typing import Any
 from sandboxes.settings import current as current_settings
 
 VECTOR_STORES = ("auto", "memory", "pgvector")
-ENCODER_BACKENDS = ("torch", "onnx", "onnx-int8")
+ENCODER_BACKENDS = ("torch", "torch-bf16", "onnx", "onnx-int8")
 
 
 class SemanticSearchError(ValueError):
@@ -55,7 +55,8 @@ class SemanticSearchConfig:
     """Everything the semantic search index needs; ``from_environment()`` reads the deployment."""
 
     encoder_path: str = field(default_factory=default_encoder_path)
-    """Directory of a sentence-transformers model (the bundled MiniLM or a ``train_embeddings`` checkpoint)."""
+    """Directory of a sentence-transformers model (the bundled MiniLM or a ``train_embeddings`` checkpoint) or
+    of a distilled student (``manage.py distill_encoder``)."""
     index_root: Path = Path("var/sandboxes/semantic-index")
     """Directory that holds one sub-directory of chunk metadata and vectors per snapshot and encoder."""
     encoder_cache_dir: Path = Path("var/sandboxes/semantic-encoders")
@@ -69,10 +70,13 @@ class SemanticSearchConfig:
     max_seq_length: int = 128
     """Word pieces kept per chunk by the encoder; longer chunks are truncated. 128, the length the
     fine-tuning uses: on the retrieval benchmark it indexes ~2x faster than 256 with recall@5 71.5 vs
-    69.5 for the base encoder (docs/notebook/2026-11-29-issue-53.md)."""
+    69.5 for the base encoder (docs/notebook/2026-11-29-issue-53.md). 96 kept the base encoder's recall@5
+    (71.2) and indexed ~1.2x faster, but the fine-tuned encoder was not measured at 96 (2026-12-02)."""
     encoder_backend: str = "onnx-int8"
-    """``torch`` (sentence-transformers, the reference), ``onnx`` (ONNX Runtime, fp32) or ``onnx-int8``
-    (ONNX Runtime, int8 weights); queries and chunks of one index always use the same backend."""
+    """``torch`` (sentence-transformers, the reference), ``torch-bf16`` (torch under bfloat16 autocast: 3.96x
+    the reference on this repository's 2-core AMD EPYC against 4.69x for int8, so not the default; it may win
+    on CPUs with AMX tiles, unmeasured here), ``onnx`` (ONNX Runtime, fp32) or ``onnx-int8`` (ONNX Runtime, int8
+    weights); queries and chunks of one index always use the same backend."""
     background_indexing: bool = True
     """Build a snapshot's index in a background thread and answer from BM25 until it is ready
     (False: the first search waits for the index, as the retrieval benchmark and RL tests want). A

@@ -30,21 +30,31 @@ def _force_offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def sentence_transformer_load(path: str) -> SentenceTransformer:
+    """A fresh (unshared) CPU copy of the model at ``path``: a sentence-transformers directory, or a
+    distilled student (``sandboxes.semantic.student``) built from its teacher."""
+    _force_offline()
+    from sentence_transformers import SentenceTransformer
+
+    from sandboxes.semantic.student import is_student, student_load
+
+    if is_student(path):
+        return student_load(path)
+    if not (Path(path) / "modules.json").is_file() and not (Path(path) / "config.json").is_file():
+        raise SemanticSearchError(
+            f"{path} holds no sentence-transformers model (no modules.json or config.json); "
+            "set SEMANTIC_ENCODER to a model directory"
+        )
+    return SentenceTransformer(str(Path(path).resolve()), device="cpu", local_files_only=True)
+
+
 def load_encoder(*, path: str, max_seq_length: int) -> SentenceTransformer:
     """The model at ``path`` on CPU (shared by every caller in this process)."""
     key = (str(Path(path).resolve()), max_seq_length)
     with _LOCK:
         encoder = _ENCODERS.get(key)
         if encoder is None:
-            _force_offline()
-            from sentence_transformers import SentenceTransformer
-
-            if not (Path(path) / "modules.json").is_file() and not (Path(path) / "config.json").is_file():
-                raise SemanticSearchError(
-                    f"{path} holds no sentence-transformers model (no modules.json or config.json); "
-                    "set SEMANTIC_ENCODER to a model directory"
-                )
-            encoder = SentenceTransformer(key[0], device="cpu", local_files_only=True)
+            encoder = sentence_transformer_load(key[0])
             encoder.max_seq_length = max_seq_length
             encoder.eval()
             _ENCODERS[key] = encoder
@@ -121,28 +131,35 @@ _TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
 
 def encoder_tag(config: SemanticSearchConfig) -> str:
     """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
-    graph = "" if config.encoder_backend == "torch" else "-fused"  # ONNX graphs since the fused export
-    return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}{graph}-s{config.max_seq_length}"
+    backend = config.encoder_backend
+    graph = "-fused" if backend.startswith("onnx") else ""  # ONNX graphs since the fused export
+    return f"{encoder_fingerprint(config.encoder_path)}-{backend}{graph}-s{config.max_seq_length}"
 
 
 def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:
     """The encoder ``config`` asks for, loaded once per process; the ONNX export is cached under the index root."""
     model = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
-    if config.encoder_backend == "torch":
+    backend = config.encoder_backend
+    if backend == "torch":
         return TorchTextEncoder(model)
     cache_dir = Path(config.encoder_cache_dir) / encoder_fingerprint(config.encoder_path)
-    key = (str(Path(config.encoder_path).resolve()), config.max_seq_length, config.encoder_backend, str(cache_dir))
+    key = (str(Path(config.encoder_path).resolve()), config.max_seq_length, backend, str(cache_dir))
     with _LOCK:
         encoder = _TEXT_ENCODERS.get(key)
     if encoder is not None:
         return encoder
-    import torch
+    if backend == "torch-bf16":
+        from sandboxes.semantic.bf16_encoder import TorchBf16TextEncoder
 
-    from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
+        encoder = TorchBf16TextEncoder(model=model, max_seq_length=config.max_seq_length)
+    else:
+        import torch
 
-    onnx_path = onnx_model_path(model=model, cache_dir=cache_dir, backend=config.encoder_backend)
-    encoder = OnnxTextEncoder(
-        model=model, onnx_path=onnx_path, max_seq_length=config.max_seq_length, threads=torch.get_num_threads()
-    )
+        from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
+
+        onnx_path = onnx_model_path(model=model, cache_dir=cache_dir, backend=backend)
+        encoder = OnnxTextEncoder(
+            model=model, onnx_path=onnx_path, max_seq_length=config.max_seq_length, threads=torch.get_num_threads()
+        )
     with _LOCK:
         return _TEXT_ENCODERS.setdefault(key, encoder)

@@ -23,7 +23,7 @@ from filelock import FileLock
 from sandboxes.semantic.config import SemanticSearchError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from sentence_transformers import SentenceTransformer
 
@@ -31,7 +31,7 @@ ONNX_BACKENDS = ("onnx", "onnx-int8")
 _EXPORT_OPSET = 17
 
 
-def _stage(model: SentenceTransformer, index: int) -> Any:
+def pipeline_stage(model: SentenceTransformer, index: int) -> Any:
     """``model[index]``: a sentence-transformers pipeline stage (its indexing is typed as Module | Tensor)."""
     return model[index]
 
@@ -44,7 +44,7 @@ def _check_architecture(model: SentenceTransformer) -> None:
             f"the ONNX encoder backend supports Transformer + Pooling (+ Normalize) models, not {names}; "
             "set SEMANTIC_ENCODER_BACKEND=torch for this model"
         )
-    pooling = _stage(model, 1).get_config_dict()
+    pooling = pipeline_stage(model, 1).get_config_dict()
     mode = pooling.get("pooling_mode") or ("mean" if pooling.get("pooling_mode_mean_tokens") else "other")
     if mode != "mean" or not pooling.get("include_prompt", True):
         raise SemanticSearchError(
@@ -56,7 +56,7 @@ def _check_architecture(model: SentenceTransformer) -> None:
 def _export(*, model: SentenceTransformer, destination: Path) -> None:
     import torch
 
-    transformer = _stage(model, 0).auto_model
+    transformer = pipeline_stage(model, 0).auto_model
 
     class Pooled(torch.nn.Module):
         def __init__(self) -> None:
@@ -103,7 +103,7 @@ def _fuse(*, source: Path, destination: Path, model: SentenceTransformer) -> Non
     """ONNX Runtime's transformer optimizer: fused attention, LayerNorm (+ residual) and GELU kernels."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    config = _stage(model, 0).auto_model.config
+    config = pipeline_stage(model, 0).auto_model.config
     optimized = optimize_model(str(source), model_type="bert", num_heads=int(config.num_attention_heads),
                                hidden_size=int(config.hidden_size), opt_level=1, use_gpu=False)
     optimized.save_model_to_file(str(destination))
@@ -189,26 +189,37 @@ class OnnxTextEncoder:
     def encode(
         self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
     ) -> np.ndarray:
-        if not texts:
-            return np.zeros((0, self._dimension), dtype=np.float32)
-        token_ids = self._tokenizer(
-            texts, truncation=True, max_length=self._max_seq_length, add_special_tokens=True,
-            return_attention_mask=False, return_token_type_ids=False,
-        )["input_ids"]
-        order = np.argsort([len(ids) for ids in token_ids], kind="stable")
-        pad_id = self._tokenizer.pad_token_id or 0
         output = np.empty((len(texts), self._dimension), dtype=np.float32)
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            width = max(len(token_ids[row]) for row in rows)
-            input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-            attention = np.zeros((len(rows), width), dtype=np.int64)
-            for position, row in enumerate(rows):
-                ids = token_ids[row]
-                input_ids[position, :len(ids)] = ids
-                attention[position, :len(ids)] = 1
+        for rows, input_ids, attention in length_sorted_batches(
+            tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length, batch_size=batch_size
+        ):
             (vectors,) = self._session.run(None, {"input_ids": input_ids, "attention_mask": attention})
             output[rows] = vectors
             if progress is not None:
                 progress(len(rows))
         return output
+
+
+def length_sorted_batches(
+    *, tokenizer: Any, texts: list[str], max_seq_length: int, batch_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(rows, input ids, attention mask) per batch: texts tokenized once, sorted by length, each batch
+    padded to its own longest text only, never to ``max_seq_length``."""
+    if not texts:
+        return
+    token_ids = tokenizer(
+        texts, truncation=True, max_length=max_seq_length, add_special_tokens=True,
+        return_attention_mask=False, return_token_type_ids=False,
+    )["input_ids"]
+    order = np.argsort([len(ids) for ids in token_ids], kind="stable")
+    pad_id = tokenizer.pad_token_id or 0
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(token_ids[row]) for row in rows)
+        input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+        attention = np.zeros((len(rows), width), dtype=np.int64)
+        for position, row in enumerate(rows):
+            ids = token_ids[row]
+            input_ids[position, :len(ids)] = ids
+            attention[position, :len(ids)] = 1
+        yield rows, input_ids, attention

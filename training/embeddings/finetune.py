@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sandboxes.semantic.config import default_encoder_path
+from sandboxes.semantic.encoder import sentence_transformer_load
 from training.embeddings.evaluation import HELD_OUT_STDLIB_MODULES, stdlib_directory
 from training.embeddings.mining import PAIR_KINDS, TrainingPair, mine_pairs
 
@@ -185,7 +186,6 @@ def embeddings_finetune(
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from transformers import get_linear_schedule_with_warmup
 
@@ -206,7 +206,7 @@ def embeddings_finetune(
     pairs_by_kind = {kind: sum(1 for pair in pairs if pair.kind == kind) for kind in PAIR_KINDS}
     logger.info("mined %d pairs: %s", len(pairs), pairs_by_kind)
 
-    model = SentenceTransformer(config.base_encoder, device="cpu", local_files_only=True)
+    model = sentence_transformer_load(config.base_encoder)
     model.max_seq_length = config.max_seq_length
     model.train()
     loss_fn = MultipleNegativesRankingLoss(model, scale=config.similarity_scale)
