@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from training.model.config import ModelConfig
+from training.model.fused_moe import DISPATCH_MAX_TOKENS, ExpertViews, expert_views, fused_experts
 from training.model.kv_cache import KVCache
 from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
 from training.model.transformer import MoETransformer, TransformerBlock
@@ -115,6 +116,8 @@ class _LayerWeights:
     ffn_out: torch.Tensor
     """[d_ff or E * d_ff, d_model]: the down projection(s) stacked along the hidden units (a view)."""
     feed_forward: MoEFeedForward | DenseFeedForward
+    experts: ExpertViews | None
+    """Per-expert weight views for training.model.fused_moe's dispatch (fp32 MoE layers), else None."""
 
 
 class _Weights:
@@ -178,6 +181,7 @@ class _Weights:
             ffn_in=ffn_in,
             ffn_out=ffn_out,
             feed_forward=feed_forward,
+            experts=None if isinstance(feed_forward, DenseFeedForward) else expert_views(feed_forward),
         )
 
 
@@ -473,6 +477,12 @@ class FusedForward:
             return self._add_projection(hidden, F.silu(gate) * up, layer.ffn_out)
         n_tokens = normed.shape[0]
         if layer.ffn_in is None or not all_experts_pays(config, n_tokens):
+            if layer.experts is not None and n_tokens <= DISPATCH_MAX_TOKENS:
+                out, expert_indices = fused_experts(
+                    normed * layer.ffn_norm, layer.experts, config.top_k, config.normalize_top_k_weights
+                )
+                routing.append(expert_indices)
+                return hidden + out
             out, router = feed_forward(normed * layer.ffn_norm, compute_losses=False)
             routing.append(router.expert_indices)
             return hidden + out
