@@ -7,7 +7,8 @@ which only the GEMMs do real work), so this path computes the same function as
 - Q, K, V and the rotate-half of Q and K come out of one matmul: rotate-half is a signed permutation
   of each head's rows, so it folds into the weight and RoPE becomes one multiply and one addcmul
   (imported families' options: attention biases fold alike; with qk-norm or qkv clipping, which sit
-  between the projection and RoPE, Q, K and V come out of one matmul and are rotated afterwards);
+  between the projection and RoPE, or when the folded weight would be large (ROTATION_FOLD_MAX_ELEMENTS),
+  Q, K and V come out of one matmul and are rotated afterwards);
 - attention is baddbmm (scores + additive mask) / softmax / bmm over (batch x kv-head) with the query
   heads of a group as rows, with the mask built once per forward and shared by every layer;
 - the MoE router, every expert's gate and every expert's up projection are one matmul when all
@@ -95,10 +96,20 @@ def _rotate_half_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return torch.cat([-second, first], dim=1).reshape(weight.shape)
 
 
+ROTATION_FOLD_MAX_ELEMENTS = 1 << 17
+"""Largest folded Q/K/V/rotate-half projection (elements; 512 KB in fp32) that is built. Folding spares
+three small operators per layer but makes the weight (2 * n_heads + 3 * n_kv_heads) / (n_heads +
+2 * n_kv_heads) times larger (1.75x for 8 query and 4 key heads), and a decode step reads a large one from
+memory: Mixtral of bench_hf_engine (256 x 896 folded) decodes ~3% faster unfolded, the "tiny" model
+(128 x 448) alike either way."""
+
+
 def _rotation_folds(config: ModelConfig) -> bool:
-    """Whether rotate_half(Q), rotate_half(K) can come out of the projection: nothing nonlinear (qk-norm,
-    clipping) sits between the projection and the rotary embedding."""
-    return config.qk_norm == "none" and config.clip_qkv is None
+    """Whether rotate_half(Q), rotate_half(K) come out of the projection: nothing nonlinear (qk-norm,
+    clipping) sits between the projection and the rotary embedding, and the folded weight is small."""
+    folded_heads = 2 * config.n_heads + 3 * config.n_kv_heads
+    small = config.d_model * folded_heads * config.head_dim <= ROTATION_FOLD_MAX_ELEMENTS
+    return config.qk_norm == "none" and config.clip_qkv is None and small
 
 
 def _per_head_qk_norm(attention: Attention, n_heads: int, n_kv_heads: int) -> torch.Tensor | None:
