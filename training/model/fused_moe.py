@@ -13,7 +13,8 @@ Numerics equal MoEFeedForward's for softmax routing without score bias: the same
 same top-k weights (topk of the softmax, renormalised as ``route_tokens`` does), the same expert matmuls
 (``x @ w_gate[e]``, ``x @ w_up[e]``, ``silu(gate) * up @ w_down[e]`` per expert), then the weighted
 sum, whose two terms for top-2 are added in either order with the same result. Only fp32 models with fp32
-expert weights take it (bf16 and MXFP8 keep the model's own layer, which casts or quantizes the weights).
+expert weights on the CPU take it (bf16 and MXFP8 keep the model's own layer, which casts or quantizes the
+weights; on a GPU the routing read-back would be a synchronisation per layer).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class ExpertViews:
 
 
 def expert_views(feed_forward: MoEFeedForward) -> ExpertViews | None:
-    """Views for fused_experts, or None when the layer must run itself (not fp32, sigmoid scores, score
-    bias, groups, shared experts or scaled weights: options this function does not compute)."""
+    """Views for fused_experts, or None when the layer must run itself: not fp32, not on the CPU (reading
+    the routing back would wait for a GPU at every layer), or sigmoid scores, score bias, groups, shared
+    experts or scaled weights (options fused_experts does not compute)."""
     config = feed_forward.config
     plain = (
         config.precision == "fp32"
         and feed_forward.w_gate.dtype == torch.float32
+        and feed_forward.w_gate.device.type == "cpu"
         and config.router_score == "softmax"
         and feed_forward.score_bias is None
         and config.n_expert_groups == 1
