@@ -57,7 +57,7 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 TRANSPOSED_LOGITS_MIN_ELEMENTS = 1 << 20
-"""Output weights of at least this many elements (4 MB in fp32) multiply as (W @ h.T).T: a decode step
+"""CPU output weights of at least this many elements (4 MB in fp32) multiply as (W @ h.T).T: a decode step
 reads such a weight from memory (it does not stay in cache between steps), and MKL streams it ~1.5x
 faster in that form than F.linear's h @ W.T (4096 x 256, 8 rows, CPU: 0.57 vs 0.78 ms cold); a small
 one stays cached, where F.linear is faster (2048 x 128: 75 vs 160 us)."""
@@ -65,7 +65,7 @@ one stays cached, where F.linear is faster (2048 x 128: 75 vs 160 us)."""
 
 def _logits(hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """hidden [B, d_model] @ output.T [d_model, vocab], contiguous [B, vocab]."""
-    if output.numel() >= TRANSPOSED_LOGITS_MIN_ELEMENTS:
+    if output.device.type == "cpu" and output.numel() >= TRANSPOSED_LOGITS_MIN_ELEMENTS:
         return torch.mm(output, hidden.t()).t().contiguous()
     return F.linear(hidden, output)
 
