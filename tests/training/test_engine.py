@@ -268,3 +268,25 @@ def test_a_deep_cached_prefix_and_a_long_fresh_prompt_admitted_together_both_fit
     assert engine.prefix_stats["hits"] == 1
     want = plain.generate([deep, fresh], params)
     assert [result.token_ids for result in got] == [result.token_ids for result in want]
+
+
+def test_admitted_prompts_of_very_different_lengths_prefill_in_separate_forwards(model):
+    """Padding 3-token prompts to a 90-token one wastes most of a forward: _prefill_groups splits by length,
+    and the results are those of one request at a time."""
+    engine = GenerationEngine(model, config=EngineConfig(max_batch_size=4, max_seq_len=128, prefix_cache_size=0))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(8, 2048, (n,), generator=generator).tolist() for n in (90, 3, 88, 4)]
+    forwards: list[list[int]] = []
+    prefill_rows = engine._prefill_rows
+
+    def recorded(rows):
+        forwards.append(sorted(len(sequence.prompt) for sequence, _ in rows))
+        return prefill_rows(rows)
+
+    engine._prefill_rows = recorded
+    params = SamplingParams(max_tokens=6, temperature=0)
+    got = engine.generate(prompts, params)
+    assert forwards == [[3, 4], [88, 90]]
+    single = GenerationEngine(model, config=EngineConfig(max_batch_size=1, max_seq_len=128, prefix_cache_size=0))
+    for prompt, result in zip(prompts, got, strict=True):
+        assert result.token_ids == single.generate([prompt], params)[0].token_ids

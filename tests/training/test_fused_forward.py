@@ -207,3 +207,17 @@ def test_fused_forward_computes_the_imported_families_options(overrides, slots):
     if model.config.clip_qkv is not None:  # the clamp did bite: without it the logits differ
         projected = model.layers[0].attention.wv(model.layers[0].attention_norm(model.embed(input_ids)))
         assert projected.abs().max() > model.config.clip_qkv
+
+
+def test_unfolded_rotation_equals_the_model_forward(monkeypatch):
+    """Models whose folded projection would be large (Mixtral of bench_hf_engine) rotate Q and K after one
+    Q/K/V matmul instead."""
+    import training.model.fused_forward as fused_forward
+
+    monkeypatch.setattr(fused_forward, "ROTATION_FOLD_MAX_ELEMENTS", 0)
+    model = _model(n_experts=8)
+    assert not fused_forward._rotation_folds(model.config)
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 12))
+    reference, fused, reference_routing, fused_routing = _reference_and_fused(model, input_ids, [3, 0, 2], prefill=7)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused_routing, reference_routing)

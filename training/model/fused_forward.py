@@ -7,7 +7,8 @@ which only the GEMMs do real work), so this path computes the same function as
 - Q, K, V and the rotate-half of Q and K come out of one matmul: rotate-half is a signed permutation
   of each head's rows, so it folds into the weight and RoPE becomes one multiply and one addcmul
   (imported families' options: attention biases fold alike; with qk-norm or qkv clipping, which sit
-  between the projection and RoPE, Q, K and V come out of one matmul and are rotated afterwards);
+  between the projection and RoPE, or when the folded weight would be large (ROTATION_FOLD_MAX_ELEMENTS),
+  Q, K and V come out of one matmul and are rotated afterwards);
 - attention is baddbmm (scores + additive mask) / softmax / bmm over (batch x kv-head) with the query
   heads of a group as rows, with the mask built once per forward and shared by every layer;
 - the MoE router, every expert's gate and every expert's up projection are one matmul when all
@@ -41,7 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from training.model.attention import Attention
 from training.model.config import ModelConfig
+from training.model.fused_moe import DISPATCH_MAX_TOKENS, ExpertViews, expert_views, fused_experts
 from training.model.kv_cache import KVCache
 from training.model.moe import DenseFeedForward, MoEFeedForward, all_experts_pays, all_experts_possible
 from training.model.transformer import MoETransformer, TransformerBlock
@@ -51,6 +54,20 @@ from training.model.weights_watch import WeightsWatch
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor in dtype, skipping the no-op cast call (not free, and there are several per layer) in fp32."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+TRANSPOSED_LOGITS_MIN_ELEMENTS = 1 << 20
+"""CPU output weights of at least this many elements (4 MB in fp32) multiply as (W @ h.T).T: a decode step
+reads such a weight from memory (it does not stay in cache between steps), and MKL streams it ~1.5x
+faster in that form than F.linear's h @ W.T (4096 x 256, 8 rows, CPU: 0.57 vs 0.78 ms cold); a small
+one stays cached, where F.linear is faster (2048 x 128: 75 vs 160 us)."""
+
+
+def _logits(hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """hidden [B, d_model] @ output.T [d_model, vocab], contiguous [B, vocab]."""
+    if output.device.type == "cpu" and output.numel() >= TRANSPOSED_LOGITS_MIN_ELEMENTS:
+        return torch.mm(output, hidden.t()).t().contiguous()
+    return F.linear(hidden, output)
 
 
 @dataclass
@@ -79,10 +96,28 @@ def _rotate_half_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return torch.cat([-second, first], dim=1).reshape(weight.shape)
 
 
+ROTATION_FOLD_MAX_ELEMENTS = 1 << 17
+"""Largest folded Q/K/V/rotate-half projection (elements; 512 KB in fp32) that is built. Folding spares
+three small operators per layer but makes the weight (2 * n_heads + 3 * n_kv_heads) / (n_heads +
+2 * n_kv_heads) times larger (1.75x for 8 query and 4 key heads), and a decode step reads a large one from
+memory: Mixtral of bench_hf_engine (256 x 896 folded) decodes ~3% faster unfolded, the "tiny" model
+(128 x 448) alike either way."""
+
+
 def _rotation_folds(config: ModelConfig) -> bool:
-    """Whether rotate_half(Q), rotate_half(K) can come out of the projection: nothing nonlinear (qk-norm,
-    clipping) sits between the projection and the rotary embedding."""
-    return config.qk_norm == "none" and config.clip_qkv is None
+    """Whether rotate_half(Q), rotate_half(K) come out of the projection: nothing nonlinear (qk-norm,
+    clipping) sits between the projection and the rotary embedding, and the folded weight is small."""
+    folded_heads = 2 * config.n_heads + 3 * config.n_kv_heads
+    small = config.d_model * folded_heads * config.head_dim <= ROTATION_FOLD_MAX_ELEMENTS
+    return config.qk_norm == "none" and config.clip_qkv is None and small
+
+
+def _per_head_qk_norm(attention: Attention, n_heads: int, n_kv_heads: int) -> torch.Tensor | None:
+    """[n_heads + n_kv_heads, head_dim] qk-norm weights of every query then key head ("head" qk-norm only)."""
+    if attention.qk_norm != "head" or attention.q_norm is None or attention.k_norm is None:
+        return None
+    q_weight, k_weight = attention.q_norm.weight, attention.k_norm.weight
+    return torch.cat([q_weight.expand(n_heads, -1), k_weight.expand(n_kv_heads, -1)])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +137,9 @@ class _LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     """qk-norm weights ([head_dim] per head, or [heads * head_dim] for "full"), else None."""
+    qk_norm: torch.Tensor | None
+    """Per-head qk-norm: [n_heads + n_kv_heads, head_dim], q_norm's weight for every query head then
+    k_norm's for every key head (one multiply after one norm over all of them); else None."""
     attention_out: torch.Tensor
     """[n_heads * head_dim, d_model] (wo transposed, a view)."""
     attention_out_bias: torch.Tensor | None
@@ -115,6 +153,8 @@ class _LayerWeights:
     ffn_out: torch.Tensor
     """[d_ff or E * d_ff, d_model]: the down projection(s) stacked along the hidden units (a view)."""
     feed_forward: MoEFeedForward | DenseFeedForward
+    experts: ExpertViews | None
+    """Per-expert weight views for training.model.fused_moe's dispatch (fp32 MoE layers), else None."""
 
 
 class _Weights:
@@ -172,12 +212,14 @@ class _Weights:
             qkv_bias=qkv_bias,
             q_norm=None if attention.q_norm is None else attention.q_norm.weight,
             k_norm=None if attention.k_norm is None else attention.k_norm.weight,
+            qk_norm=_per_head_qk_norm(attention, n_heads, n_kv_heads),
             attention_out=attention.wo.weight.t(),
             attention_out_bias=attention.wo.bias,
             ffn_norm=ffn_norm,
             ffn_in=ffn_in,
             ffn_out=ffn_out,
             feed_forward=feed_forward,
+            experts=None if isinstance(feed_forward, DenseFeedForward) else expert_views(feed_forward),
         )
 
 
@@ -283,7 +325,7 @@ class FusedForward:
             elif step.length > 1:
                 hidden = hidden.view(step.batch, step.length, -1)[:, -1]
             hidden = self._normalized(hidden) * weights.norm
-        logits = F.linear(_as(hidden, weights.output.dtype), weights.output).float()
+        logits = _logits(_as(hidden, weights.output.dtype), weights.output).float()
         if step.slots is None:
             cache.lengths[slots[0] : slots[0] + step.batch] = step.ends
         else:
@@ -400,6 +442,9 @@ class FusedForward:
         if self.rotation_folds:
             # split_with_sizes: Tensor.split is a Python wrapper around it, which shows at this call rate
             query_key, value, query_key_rotated = projected.split_with_sizes(self.projection_heads, dim=1)
+        elif self.config.qk_norm == "none" and self.config.clip_qkv is None:
+            query_key, value = projected.split_with_sizes((n_heads + n_kv_heads, n_kv_heads), dim=1)
+            query_key_rotated = _rotate_half(query_key)
         else:
             query_key, value = self._normed_clipped(projected, layer)
             query_key_rotated = _rotate_half(query_key)
@@ -449,17 +494,19 @@ class FusedForward:
         Attention._project's order: the norm over all heads, the per-head norm, then the clamp."""
         config = self.config
         tokens, _, head_dim = projected.shape
-        query, key, value = projected.split_with_sizes(self.projection_heads, dim=1)
-        if config.qk_norm == "full":
+        query_key, value = projected.split_with_sizes((config.n_heads + config.n_kv_heads, config.n_kv_heads), 1)
+        if config.qk_norm == "head":
+            # one norm over every Q and K head; the weight (a per-head copy, see _LayerWeights) multiplies
+            # afterwards, which is what F.rms_norm computes with it, bit for bit
+            query_key = F.rms_norm(query_key, (head_dim,), None, config.norm_eps) * layer.qk_norm
+        elif config.qk_norm == "full":
+            query, key = query_key.split_with_sizes((config.n_heads, config.n_kv_heads), 1)
             query = F.rms_norm(query.reshape(tokens, -1), (query.shape[1] * head_dim,), layer.q_norm, config.norm_eps)
             key = F.rms_norm(key.reshape(tokens, -1), (key.shape[1] * head_dim,), layer.k_norm, config.norm_eps)
-        elif config.qk_norm == "head":
-            query = F.rms_norm(query, (head_dim,), layer.q_norm, config.norm_eps)
-            key = F.rms_norm(key, (head_dim,), layer.k_norm, config.norm_eps)
-        query_key_value = torch.cat([query.reshape(tokens, -1, head_dim), key.reshape(tokens, -1, head_dim), value], 1)
+            query_key = torch.cat([query.view(tokens, -1, head_dim), key.view(tokens, -1, head_dim)], 1)
         if config.clip_qkv is not None:
-            query_key_value = query_key_value.clamp(-config.clip_qkv, config.clip_qkv)
-        query_key, value = query_key_value.split_with_sizes((config.n_heads + config.n_kv_heads, config.n_kv_heads), 1)
+            query_key = query_key.clamp(-config.clip_qkv, config.clip_qkv)
+            value = value.clamp(-config.clip_qkv, config.clip_qkv)
         return query_key, value
 
     def _feed_forward(
@@ -473,6 +520,12 @@ class FusedForward:
             return self._add_projection(hidden, F.silu(gate) * up, layer.ffn_out)
         n_tokens = normed.shape[0]
         if layer.ffn_in is None or not all_experts_pays(config, n_tokens):
+            if layer.experts is not None and n_tokens <= DISPATCH_MAX_TOKENS:
+                out, expert_indices = fused_experts(
+                    normed * layer.ffn_norm, layer.experts, config.top_k, config.normalize_top_k_weights
+                )
+                routing.append(expert_indices)
+                return hidden + out
             out, router = feed_forward(normed * layer.ffn_norm, compute_losses=False)
             routing.append(router.expert_indices)
             return hidden + out
