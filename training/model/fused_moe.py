@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_small_mm import small_mm
 from training.model.moe import MoEFeedForward
 
 DISPATCH_MAX_TOKENS = 64
@@ -92,12 +93,12 @@ def fused_experts(
     bounds = _expert_bounds(choices, len(views.gate))
     for expert, start, end in bounds:
         piece = rows[start:end]
-        torch.mm(piece, views.gate[expert], out=gate[start:end])
-        torch.mm(piece, views.up[expert], out=up[start:end])
+        small_mm(piece, views.gate[expert], gate[start:end])
+        small_mm(piece, views.up[expert], up[start:end])
     hidden = F.silu(gate).mul_(up)
     down = x.new_empty(len(order), x.shape[1])
     for expert, start, end in bounds:
-        torch.mm(hidden[start:end], views.down[expert], out=down[start:end])
+        small_mm(hidden[start:end], views.down[expert], down[start:end])
     per_choice = down.index_select(0, indices[len(order) :]).view(n_tokens, top_k, -1)
     return (per_choice * weights.unsqueeze(-1).to(per_choice.dtype)).sum(dim=1), expert_indices
 
