@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sandboxes.semantic.encoder import embedding_dimension
-from sandboxes.semantic.fast_encoder import length_sorted_batches, pipeline_stage
+from sandboxes.semantic.fast_encoder import encode_length_batched, pipeline_stage
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,7 +30,6 @@ class TorchBf16TextEncoder:
     name = "torch-bf16"
 
     def __init__(self, *, model: SentenceTransformer, max_seq_length: int) -> None:
-        self._model = model
         self._transformer = pipeline_stage(model, 0).auto_model
         self._tokenizer = model.tokenizer
         self._max_seq_length = max_seq_length
@@ -45,19 +44,17 @@ class TorchBf16TextEncoder:
     ) -> np.ndarray:
         import torch
 
-        output = np.empty((len(texts), self._dimension), dtype=np.float32)
-        batches = length_sorted_batches(tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length,
-                                        batch_size=batch_size)
         with torch.inference_mode():
-            for rows, input_ids, attention in batches:
-                ids = torch.from_numpy(input_ids)
-                mask = torch.from_numpy(attention)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    hidden = self._transformer(input_ids=ids, attention_mask=mask,
-                                               token_type_ids=torch.zeros_like(ids))[0]
-                weights = mask.unsqueeze(-1).to(torch.float32)
-                pooled = (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-                output[rows] = torch.nn.functional.normalize(pooled, p=2.0, dim=1).numpy()
-                if progress is not None:
-                    progress(len(rows))
-        return output
+            return encode_length_batched(tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length,
+                                         batch_size=batch_size, dimension=self._dimension, run=self._run,
+                                         progress=progress)
+
+    def _run(self, input_ids: np.ndarray, attention: np.ndarray) -> np.ndarray:
+        import torch
+
+        ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = self._transformer(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))[0]
+        weights = mask.unsqueeze(-1).to(torch.float32)
+        pooled = (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2.0, dim=1).numpy()

@@ -131,9 +131,8 @@ _TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
 
 def encoder_tag(config: SemanticSearchConfig) -> str:
     """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
-    backend = config.encoder_backend
-    graph = "-fused" if backend.startswith("onnx") else ""  # ONNX graphs since the fused export
-    return f"{encoder_fingerprint(config.encoder_path)}-{backend}{graph}-s{config.max_seq_length}"
+    graph = "-fused" if config.encoder_backend.startswith("onnx") else ""  # ONNX graphs since the fused export
+    return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}{graph}-s{config.max_seq_length}"
 
 
 def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:

@@ -189,15 +189,27 @@ class OnnxTextEncoder:
     def encode(
         self, texts: list[str], *, batch_size: int, progress: Callable[[int], None] | None = None
     ) -> np.ndarray:
-        output = np.empty((len(texts), self._dimension), dtype=np.float32)
-        for rows, input_ids, attention in length_sorted_batches(
-            tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length, batch_size=batch_size
-        ):
+        def run(input_ids: np.ndarray, attention: np.ndarray) -> np.ndarray:
             (vectors,) = self._session.run(None, {"input_ids": input_ids, "attention_mask": attention})
-            output[rows] = vectors
-            if progress is not None:
-                progress(len(rows))
-        return output
+            return vectors
+
+        return encode_length_batched(tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length,
+                                     batch_size=batch_size, dimension=self._dimension, run=run, progress=progress)
+
+
+def encode_length_batched(
+    *, tokenizer: Any, texts: list[str], max_seq_length: int, batch_size: int, dimension: int,
+    run: Callable[[np.ndarray, np.ndarray], np.ndarray], progress: Callable[[int], None] | None,
+) -> np.ndarray:
+    """Rows of ``run(input ids, attention mask)`` over ``length_sorted_batches``, back in input order."""
+    output = np.empty((len(texts), dimension), dtype=np.float32)
+    for rows, input_ids, attention in length_sorted_batches(
+        tokenizer=tokenizer, texts=texts, max_seq_length=max_seq_length, batch_size=batch_size
+    ):
+        output[rows] = run(input_ids, attention)
+        if progress is not None:
+            progress(len(rows))
+    return output
 
 
 def length_sorted_batches(

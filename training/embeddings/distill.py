@@ -241,9 +241,6 @@ def _save(*, student, config: EncoderDistillConfig, result: DistillResult) -> No
     try:
         student_save(model=student, destination=staging, teacher=config.teacher, layers=list(config.layers),
                      made_by=made_by)
-        readme = output / "README.md"
-        if readme.is_file():
-            shutil.copy2(readme, staging / "README.md")
         if output.exists():
             shutil.rmtree(output)
         os.replace(staging, output)

@@ -521,9 +521,7 @@ class FusedForward:
         n_tokens = normed.shape[0]
         if layer.ffn_in is None or not all_experts_pays(config, n_tokens):
             if layer.experts is not None and n_tokens <= DISPATCH_MAX_TOKENS:
-                out, expert_indices = fused_experts(
-                    normed * layer.ffn_norm, layer.experts, config.top_k, config.normalize_top_k_weights
-                )
+                out, expert_indices = fused_experts(normed * layer.ffn_norm, layer.experts, config)
                 routing.append(expert_indices)
                 return hidden + out
             out, router = feed_forward(normed * layer.ffn_norm, compute_losses=False)

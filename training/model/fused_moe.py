@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_small_mm import small_mm
-from training.model.moe import MoEFeedForward
+from training.model.config import ModelConfig
+from training.model.moe import MoEFeedForward, route_tokens
 
 DISPATCH_MAX_TOKENS = 64
 """Most tokens dispatched here (decode steps and short prefills); more go through MoEFeedForward, whose
@@ -71,15 +72,12 @@ def expert_views(feed_forward: MoEFeedForward) -> ExpertViews | None:
 
 
 def fused_experts(
-    x: torch.Tensor, views: ExpertViews, top_k: int, normalize: bool
+    x: torch.Tensor, views: ExpertViews, config: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over each token's top_k experts of weight * expert(x) [N, d_model], expert ids int64 [N, top_k])
-    for normalized inputs x [N, d_model] (the feed-forward norm applied)."""
-    n_tokens = x.shape[0]
-    probabilities = torch.mm(x, views.router).float().softmax(dim=-1)
-    weights, expert_indices = probabilities.topk(top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    for normalized inputs x [N, d_model] (the feed-forward norm applied); routed by ``route_tokens``."""
+    n_tokens, top_k = x.shape[0], config.top_k
+    weights, expert_indices, _ = route_tokens(config, torch.mm(x, views.router).float(), None)
     choices = expert_indices.view(-1).tolist()
     # assignments sorted by expert (stable, as MoEFeedForward's sort), and where each one lands in that order
     order = sorted(range(len(choices)), key=choices.__getitem__)
