@@ -182,7 +182,40 @@ def run_and_evaluate(recipe: str, seed: int, args: argparse.Namespace, start_cur
             curve.append([round(point.minutes, 2), point.pass_at_1])
     result = RecipeResult(recipe=recipe, seed=seed, minutes=round(run.minutes, 2), steps=run.steps, final=final,
                           curve=curve, data=run.data)
+    result_save(result, Path(config.run_dir) / "result.json", args)
     return result, run
+
+
+EVALUATION_SETTINGS = ("init_checkpoint", "minutes", "heldout", "attempts", "curve_heldout", "max_turns",
+                       "max_tokens_per_turn", "temperature")
+"""Settings two recipe results must share to be compared (--combine refuses results that differ in one)."""
+
+
+def result_save(result: RecipeResult, path: Path, args: argparse.Namespace) -> None:
+    """One recipe's result with its per-task rows, written as soon as it is evaluated (so --combine can pair it
+    with recipes run later, in another process or on another day)."""
+    settings = {key: getattr(args, key) for key in EVALUATION_SETTINGS}
+    payload = {"settings": settings, "machine": machine_line(), "result": asdict(result)}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+
+
+def result_load(path: Path, args: argparse.Namespace) -> RecipeResult:
+    """A result.json of result_save, refused (SystemExit naming the setting) unless evaluated with this run's settings."""
+    payload = json.loads(path.read_text())
+    expected = {key: getattr(args, key) for key in EVALUATION_SETTINGS}
+    stored = payload.get("settings", {})
+    differing = {key: (stored.get(key), value) for key, value in expected.items() if stored.get(key) != value}
+    if differing:
+        raise SystemExit(f"--combine {path}: settings differ from this run's (stored, this run): {differing}")
+    fields = dict(payload["result"])
+    fields["final"] = Evaluation(**fields["final"])
+    return RecipeResult(**fields)
+
+
+def machine_line() -> str:
+    """What the figures were measured on: host name, CPUs, load average when written."""
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"{os.uname().nodename}, {os.cpu_count()} CPUs, load {load}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
 
 
 def comparisons(evaluations: list[Evaluation], args: argparse.Namespace) -> list[dict]:
@@ -271,6 +304,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reuse-finished", action="store_true",
                         help="a recipe whose run directory already holds a finished run with these settings is "
                              "evaluated again, not rerun (e.g. --seeds 0 1 2 after the three-recipe run, same --run-dir)")
+    parser.add_argument("--combine", nargs="+", default=None, metavar="RESULT_JSON",
+                        help="run nothing: compare the start (--baseline) with these recipes' result.json files, "
+                             "written by earlier runs with the same evaluation settings")
     parser.add_argument("--resamples", type=int, default=10_000, help="paired bootstrap resamples")
     parser.add_argument("--record-owner", default=None, help="store each recipe as a finished experiment of this user")
     parser.add_argument("--record-team", default=None, help="with --record-owner: share them with this team of theirs")
@@ -282,6 +318,8 @@ def parse_args() -> argparse.Namespace:
         args.max_tokens_per_turn = AsyncRLConfig.max_tokens_per_turn
     if args.heldout < 2 or args.attempts < 2:
         parser.error("paired intervals of pass@1 and pass@k need --heldout >= 2 and --attempts >= 2")
+    if args.combine and not args.baseline:
+        parser.error("--combine needs --baseline (the start's evaluation with the same settings)")
     if not Path(args.init_checkpoint).is_dir():
         parser.error(f"--init-checkpoint {args.init_checkpoint}: no such checkpoint directory")
     return args
@@ -312,10 +350,14 @@ def main() -> None:
     started, load_at_start = time.monotonic(), os.getloadavg()
     start = start_evaluation(args)
     start_curve = None
-    if args.curve_heldout:
+    if args.curve_heldout and not args.combine:
         start_curve = evaluate(args.init_checkpoint, args, tasks=args.curve_heldout, attempts=1)["pass_at_1"]
+    (run_dir / "start_evaluation.json").write_text(json.dumps(asdict(start), indent=2, default=str))
     jobs = [("rl", seed) for seed in args.seeds] if args.seeds else [(recipe, args.seed) for recipe in args.recipes]
-    finished = [run_and_evaluate(recipe, seed, args, start_curve) for recipe, seed in jobs]
+    if args.combine:
+        finished = [(result_load(Path(path), args), None) for path in args.combine]
+    else:
+        finished = [run_and_evaluate(recipe, seed, args, start_curve) for recipe, seed in jobs]
     results = [result for result, _ in finished]
     evaluations = [start] + [result.final for result in results]
     for evaluation, result in zip(evaluations[1:], results, strict=True):
@@ -329,9 +371,9 @@ def main() -> None:
         "seed_spread": asdict(seed_spread("rl", results)) if args.seeds else None,
         "total_minutes": round((time.monotonic() - started) / 60, 1),
     }
-    name = "seeds" if args.seeds else "recipes"
+    name = "seeds" if args.seeds else "combined" if args.combine else "recipes"
     plot(results, run_dir / f"{name}_heldout_pass_at_1.svg", args)
-    if args.record_owner:
+    if args.record_owner and not args.combine:
         report["experiments"] = record_experiments(finished, args)
     (run_dir / f"{name}_report.json").write_text(json.dumps(report, indent=2, default=str))
     print_report(report)
