@@ -134,3 +134,58 @@ def test_expert_sft_recipe_end_to_end_at_a_tiny_budget(tmp_path, policy_checkpoi
     assert [row["step"] for row in run.rows] == list(range(1, run.steps + 1))
     assert all(row["minutes"] > 0 for row in run.rows) and run.minutes < 3
     assert (Path(run.final_checkpoint) / "model.safetensors").is_file()
+
+
+def _bench_script():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rl_vs_sft.py"
+    spec = importlib.util.spec_from_file_location("bench_rl_vs_sft", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_rl_vs_sft"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def test_results_of_separate_runs_are_combined_only_with_the_same_evaluation_settings(tmp_path):
+    """A recipe evaluated in one run and another evaluated later are paired from their result.json files; a result
+    evaluated with a different temperature is refused by name, not silently compared."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    path, bench = _bench_script()
+    start = tmp_path / "start"
+    start.mkdir()
+    settings = {"init_checkpoint": str(start), "minutes": 60.0, "heldout": 4, "attempts": 4, "curve_heldout": 0,
+                "max_turns": 5, "max_tokens_per_turn": 96, "temperature": 0.8}
+    args = argparse.Namespace(**settings)
+    baseline = {"config": {"suite": "toy-heldout-4", "policy": f"checkpoint:{start}", "attempts": 4, "max_turns": 5,
+                           "temperature": 0.8, "max_tokens_per_turn": 96, "copy_constraint": True},
+                "pass_at_1": 0.25, "pass_at_k": 0.5, "per_task": _rows([0, 0, 2, 2])}
+    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    files = []
+    for recipe, passes in (("rl", [4, 4, 2, 2]), ("expert-sft", [0, 4, 2, 2])):
+        rows = _rows(passes)
+        final = bench.Evaluation(name=recipe, checkpoint="x", pass_at_1=sum(passes) / 16, pass_at_k=1.0, per_task=rows)
+        result = bench.RecipeResult(recipe=recipe, seed=0, minutes=60.2, steps=7, final=final, curve=[[0.0, 0.25]])
+        files.append(tmp_path / f"{recipe}.json")
+        bench.result_save(result, files[-1], args)
+        assert bench.result_load(files[-1], args) == result
+    command = [sys.executable, str(path), "--combine", *map(str, files), "--baseline", str(tmp_path / "baseline.json"),
+               "--init-checkpoint", str(start), "--heldout", "4", "--curve-heldout", "0", "--resamples", "200",
+               "--max-tokens-per-turn", "96", "--run-dir", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "out" / "combined_report.json").read_text())
+    pairs = {(row["a"], row["b"]): row["differences"][0] for row in report["comparisons"]}
+    assert pairs[("start", "rl-seed0")]["difference"] == pytest.approx(0.75 - 0.25)
+    assert pairs[("rl-seed0", "expert-sft-seed0")]["difference"] == pytest.approx(0.5 - 0.75)
+    assert pairs[("start", "expert-sft-seed0")]["tasks"] == 4
+
+    settings["temperature"] = 1.0
+    bench.result_save(result, files[-1], argparse.Namespace(**settings))
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "temperature" in refused.stderr
