@@ -120,19 +120,22 @@ class InferenceServer:
     """Body of the inference actor: a ChatModel whose weights carry a version number."""
 
     def __init__(self, checkpoint_dir: str, run_dir: str, max_batch_size: int, copy_constraint: bool = True,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, gpus: float = 0.0) -> None:
         import torch
 
+        from training.devices import actor_device, policy_precision
         from training.engine import EngineConfig
         from training.serving import ChatModel
         from training.train.state import latest_checkpoint, load_train_checkpoint
 
         torch.set_num_threads(1)
+        # With GPUs from Ray (AsyncRLConfig.inference_gpus) the engine runs on the first visible one.
+        device = actor_device(gpus=gpus, role="inference actor")
         # An imported model (its directory, or a checkpoint carrying its tokenizer) is served with its own chat
         # template and tool-call parser (training.hf.serving.HFChatModel), so rollouts render as it was trained.
         chat_model = ChatModel.load(
             checkpoint_dir, engine_config=EngineConfig(max_batch_size=max_batch_size), copy_constraint=copy_constraint,
-            precision=precision,
+            precision=policy_precision(device, precision), device=device,
         )
         self.chat_model = chat_model
         self.version = 0
@@ -429,15 +432,15 @@ class ActorPool:
         # SPREAD: on a cluster of several nodes the actors go round the nodes (one node's loss takes a
         # share of them, which Ray restarts on the others), not all onto the driver's node.
         inference_cls = ray.remote(InferenceServer).options(
-            num_cpus=0, max_concurrency=config.rollout_workers + 2, max_restarts=-1, max_task_retries=0,
-            scheduling_strategy="SPREAD",
+            num_cpus=0, num_gpus=config.inference_gpus, max_concurrency=config.rollout_workers + 2, max_restarts=-1,
+            max_task_retries=0, scheduling_strategy="SPREAD",
         )
         worker_cls = ray.remote(RolloutServer).options(
             num_cpus=0, max_concurrency=1, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD"
         )
         self.inference_actors = [
             inference_cls.remote(config.init_checkpoint, str(run_dir), config.rollout_workers, config.copy_constraint,
-                                 config.precision)
+                                 config.precision, config.inference_gpus)
             for _ in range(config.inference_actors)
         ]
         config_data = dataclasses.asdict(config)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from training.devices import gpu_request_problem
 from training.rollout.scheduler import SchedulerConfig, SchedulerConfigError
 from training.train.objective_options import objective_options_problem
 
@@ -58,6 +59,13 @@ class AsyncRLConfig:
     precision: str | None = dataclasses.field(default=None, metadata={"group": "infrastructure", "advanced": True})
     """Numerics of the policy's expert matmuls in the learner and the inference actors: "fp32", "bf16" or
     "mxfp8" (block-scaled FP8: the model's widths must be multiples of 32). Empty keeps the checkpoint's."""
+    learner_gpus: float = dataclasses.field(default=0.0, metadata={"group": "infrastructure", "advanced": True})
+    """GPUs the learner asks Ray for. 0 trains in the driver's process on the CPU; more runs the learner as a
+    Ray actor on its GPU(s) (fp32 master weights there, expert matmuls in `precision` or bf16), driven by the
+    same few calls (update, weights, save). A fraction shares one GPU; above 1, whole GPUs only."""
+    inference_gpus: float = dataclasses.field(default=0.0, metadata={"group": "infrastructure", "advanced": True})
+    """GPUs each inference actor asks Ray for (0.5 puts two actors on one GPU). 0 generates on the CPU. A run
+    whose GPUs (learner_gpus + inference_actors x inference_gpus) exceed its Ray cluster's is refused at start."""
     steps: int = 10
     """Policy updates to run in total (a resumed run continues up to this number)."""
     tasks: int = 16
@@ -177,6 +185,10 @@ class AsyncRLConfig:
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "
                 "extra inference actors would never get a request, lower inference_actors"
             )
+        for name in ("learner_gpus", "inference_gpus"):
+            problem = gpu_request_problem(name, getattr(self, name))
+            if problem:
+                raise AsyncRLConfigError(problem)
         if self.precision is not None and self.precision not in EXPERT_PRECISIONS:
             raise AsyncRLConfigError(f"precision must be one of {EXPERT_PRECISIONS} or empty, got {self.precision!r}")
         if not Path(self.init_checkpoint).is_dir():

@@ -138,9 +138,6 @@ class AsyncRun:
         on_step: Callable[[dict], None] | None = None,
         on_rollout: Callable[[dict], None] | None = None,
     ) -> None:
-        from training.hf.policy import is_hf_tokenizer
-        from training.train.learner import Learner
-
         self.config = config
         self.on_step, self.on_rollout = on_step, on_rollout
         self.run_dir = Path(config.run_dir)
@@ -148,12 +145,20 @@ class AsyncRun:
         self.state = _RunState()
         self.budget_seconds = None if config.time_budget_minutes is None else config.time_budget_minutes * 60
         self.clock_started = False
-        self.learner = Learner(
-            update_config_for(config),
-            time_fraction=None if self.budget_seconds is None else lambda: self.training_seconds() / self.budget_seconds,
-        )
-        if config.expert_guidance and is_hf_tokenizer(self.learner.tokenizer):
+        # With learner_gpus the learner is a Ray actor on its GPU(s) (training.rollout.learner_actor), so Ray
+        # starts here; on the CPU it lives in this process.
+        self._ray = _ray_start(config) if config.learner_gpus > 0 else None
+        try:
+            self.learner = _learner_create(
+                config,
+                time_fraction=None if self.budget_seconds is None else lambda: self.training_seconds() / self.budget_seconds,
+            )
+        except BaseException:
+            _ray_stop(self._ray)
+            raise
+        if config.expert_guidance and self.learner.uses_hf_tokenizer:
             # The scripted expert's trajectories are scored through the built-in chat format and tokenizer.
+            self._release_learner(self._ray)
             raise AsyncRLConfigError(
                 "expert_guidance works with the built-in model's tokenizer only; turn it off for an imported model"
             )
@@ -183,9 +188,28 @@ class AsyncRun:
         if self.state.version >= self.config.steps or self.budget_spent():
             # Started again after the end (a resume, a relaunch): say so, so the monitor stops relaunching it.
             write_status(self.run_dir, {"state": "finished", "pid": os.getpid(), "version": self.state.version})
+            self._release_learner(self._ray)
             return []
-        ray, owns_ray, fleet, fleet_started = _ray_start(self.config)
-        self.actors = ActorPool(self.config, run_dir=self.run_dir, fleet=fleet)
+        started = self._ray or _ray_start(self.config)
+        try:
+            self.actors = ActorPool(self.config, run_dir=self.run_dir, fleet=started[2])
+            self._dispatch(stop)
+        finally:
+            if self.actors is not None:
+                self.actors.shutdown()
+            self._release_learner(started)
+        # A stop can come while an update is in flight: the scheduler no longer waits for it, the learner's
+        # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
+        version = max(self.scheduler.version if self.scheduler else 0, self.state.version)
+        finished = version >= self.config.steps or self.budget_spent()
+        write_status(
+            self.run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
+        )
+        return self.history
+
+    def _dispatch(self, stop: threading.Event) -> None:
+        """Feed the scheduler (rollouts on the actors, updates in a learner thread) until it stops."""
+        assert self.actors is not None
         if self.state.version > 0:
             self.actors.push_weights(self.state.version, self.learner.weights())
         # The budget's stop works like a pause: dispatching ends, the update in progress is checkpointed.
@@ -205,31 +229,24 @@ class AsyncRun:
             on_group_abandoned=self._abandon_group,
             stop=stop,
         )
-        write_status(
-            self.run_dir,
-            {"state": "running", "pid": os.getpid(), "version": self.state.version, **self.actors.pids()},
-        )
-        if budget_timer is not None:
-            budget_timer.start()
         try:
+            write_status(
+                self.run_dir,
+                {"state": "running", "pid": os.getpid(), "version": self.state.version, **self.actors.pids()},
+            )
+            if budget_timer is not None:
+                budget_timer.start()
             self.scheduler.run(steps=self.config.steps - self.state.version)
         finally:
             if budget_timer is not None:
                 budget_timer.cancel()
             learner_thread.shutdown(wait=True)
-            self.actors.shutdown()
-            if fleet is not None and fleet_started:
-                fleet.shutdown()
-            if owns_ray:
-                ray.shutdown()
-        # A stop can come while an update is in flight: the scheduler no longer waits for it, the learner's
-        # shutdown above does, and that update is checkpointed, so the run's version is the learner's.
-        version = max(self.scheduler.version, self.state.version)
-        finished = version >= self.config.steps or self.budget_spent()
-        write_status(
-            self.run_dir, {"state": "finished" if finished else "stopped", "pid": os.getpid(), "version": version}
-        )
-        return self.history
+
+    def _release_learner(self, started) -> None:
+        """Stop a learner actor (an in-process learner needs nothing) and the Ray this run started, if any."""
+        if hasattr(self.learner, "shutdown"):
+            self.learner.shutdown()
+        _ray_stop(started)
 
     def submit_rollout(self, request: RolloutRequest, version: int) -> Future:
         return self.actors.submit(
@@ -356,7 +373,6 @@ class AsyncRun:
         The expert runs on a rollout worker (an environment server, in the rollouts' kind of sandbox) that
         it borrows from the actor pool; the learner scores its tokens with the weights this update starts from.
         """
-        from training.train.guidance import expert_record_create
 
         guides, failures = [], []
         for group_position, group in enumerate(groups):
@@ -369,10 +385,8 @@ class AsyncRun:
                 failures.append(result.error)
                 continue
             guides.append(
-                expert_record_create(
-                    task_id=result.task_id, group=group_position, messages=result.messages, reward=result.reward,
-                    tokenizer=self.learner.tokenizer, model=self.learner.model,
-                    temperature=self.learner.config.temperature,
+                self.learner.expert_record(
+                    task_id=result.task_id, group=group_position, messages=result.messages, reward=result.reward
                 )
             )
         return guides, failures
@@ -446,8 +460,44 @@ def _ray_start(config: AsyncRLConfig):
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
                 resources={"sandbox_slots": config.rollout_workers} if config.sandbox_hosts else None,
             )
+    needed = config.learner_gpus + config.inference_actors * config.inference_gpus
+    if needed > 0:
+        from training.devices import cluster_gpus_check
+
+        try:
+            cluster_gpus_check(
+                needed=needed, available=float(ray.cluster_resources().get("GPU", 0)),
+                detail=f"learner {config.learner_gpus:g} + {config.inference_actors} inference actors x "
+                f"{config.inference_gpus:g}",
+            )
+        except Exception:
+            if owns_ray:
+                ray.shutdown()
+            raise
     fleet, fleet_started = _fleet_start(config) if config.sandbox_hosts else (None, False)
     return ray, owns_ray, fleet, fleet_started
+
+
+def _ray_stop(started) -> None:
+    """Undo _ray_start's answer (None: nothing was started): the fleet it started, the Ray it owns."""
+    if started is None:
+        return
+    ray, owns_ray, fleet, fleet_started = started
+    if fleet is not None and fleet_started:
+        fleet.shutdown()
+    if owns_ray:
+        ray.shutdown()
+
+
+def _learner_create(config: AsyncRLConfig, *, time_fraction: Callable[[], float] | None):
+    """The run's learner: in this process on the CPU, or a Ray actor on learner_gpus GPUs (same interface)."""
+    if config.learner_gpus > 0:
+        from training.rollout.learner_actor import RemoteLearner
+
+        return RemoteLearner(update_config_for(config), gpus=config.learner_gpus, time_fraction=time_fraction)
+    from training.train.learner import Learner
+
+    return Learner(update_config_for(config), time_fraction=time_fraction)
 
 
 def _fleet_start(config: AsyncRLConfig):

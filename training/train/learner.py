@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from training.checkpoint import load_checkpoint
+from training.devices import policy_precision
 from training.model.transformer import MoETransformer
 from training.train.grpo import GRPOConfig, group_advantages, policy_loss, shaped_rewards
 from training.train.loop import build_optimizer, build_scheduler
@@ -31,6 +32,7 @@ from training.train.segments import (
     segment_logprobs,
     segment_logprobs_and_entropy,
     segments_to_batches,
+    segments_to_device,
     shared_prefix_groups,
     suffix_batch,
 )
@@ -63,17 +65,33 @@ class Learner:
 
     time_fraction: share of a wall-clock budget spent, for a schedule whose decay follows the clock too
     (training.train.loop.build_scheduler).
+    device: where the policy (fp32 master weights) and its optimizer live; on CUDA the expert matmuls run in
+    config.precision or bf16 (training.devices.policy_precision). Training rows are moved there per update,
+    weights() hands back CPU copies.
     """
 
-    def __init__(self, config: RLConfig, *, time_fraction: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, config: RLConfig, *, time_fraction: Callable[[], float] | None = None, device: str | torch.device = "cpu"
+    ) -> None:
         self.config = config
-        self.model, self.tokenizer, _ = load_checkpoint(config.init_checkpoint, precision=config.precision)
+        self.device = torch.device(device)
+        self.precision = policy_precision(self.device, config.precision)
+        self.model, self.tokenizer, _ = load_checkpoint(
+            config.init_checkpoint, device=self.device, precision=self.precision
+        )
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_schedule = build_scheduler(
             self.optimizer, config.optimizer, total_steps=config.steps, time_fraction=time_fraction
         )
-        self.reference_model = reference_model_load(config)
+        self.reference_model = reference_model_load(config, device=self.device, precision=self.precision)
+
+    @property
+    def uses_hf_tokenizer(self) -> bool:
+        """Whether the policy is an imported model with its own tokenizer (training.hf.policy.HFTokenizer)."""
+        from training.hf.policy import is_hf_tokenizer
+
+        return is_hf_tokenizer(self.tokenizer)
 
     def restore(self, run_dir: str | Path) -> dict[str, Any] | None:
         """Load the run's newest checkpoint (weights, optimizer, schedule, RNG); returns its data_position,
@@ -100,6 +118,8 @@ class Learner:
             with_routing=self.config.routing_replay and self.model.config.is_moe,
             merge_turns=self.config.grpo.normalization == "token",
         )
+        if self.device.type != "cpu":
+            batches = [segments_to_device(batch, self.device) for batch in batches]
         lr = self.lr_schedule.get_last_lr()[0]
         stats = policy_updates(
             model=self.model,
@@ -122,8 +142,18 @@ class Learner:
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the current weights (for the serving copy or the inference actors)."""
-        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        """A detached CPU copy of the current weights (for the serving copy or the inference actors)."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
+
+    def expert_record(self, *, task_id: str, group: int, messages: list[dict], reward: float) -> RolloutRecord:
+        """The scripted expert's trajectory as a member of the coming update's group, scored by this policy
+        (training.train.guidance.expert_record_create)."""
+        from training.train.guidance import expert_record_create
+
+        return expert_record_create(
+            task_id=task_id, group=group, messages=messages, reward=reward, tokenizer=self.tokenizer,
+            model=self.model, temperature=self.config.temperature,
+        )
 
     def save(
         self,
@@ -188,15 +218,17 @@ def rollout_advantages(records: list[RolloutRecord], config: GRPOConfig) -> torc
     return torch.where(advantages < 0, advantages * config.negative_advantage_weight, advantages) + 0.0
 
 
-def reference_model_load(config: RLConfig) -> MoETransformer | None:
+def reference_model_load(
+    config: RLConfig, *, device: str | torch.device = "cpu", precision: str | None = None
+) -> MoETransformer | None:
     """The frozen starting policy the KL penalty pulls towards, or None when config.grpo.kl_coef is 0.
 
     Loaded from init_checkpoint, never from the run's latest checkpoint, so a resumed run keeps the same
-    reference.
+    reference; on the learner's device with its precision (None: config.precision).
     """
     if config.grpo.kl_coef == 0:
         return None
-    reference, _, _ = load_checkpoint(config.init_checkpoint, precision=config.precision)
+    reference, _, _ = load_checkpoint(config.init_checkpoint, device=device, precision=precision or config.precision)
     reference.eval()
     reference.requires_grad_(False)
     return reference

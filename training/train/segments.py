@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,15 @@ class TrainingSegments:
     masked_allowed: torch.Tensor | None = None
     """bool [M, vocab]: the tokens each of those positions could draw; the learner's logprobs there are
     taken over these tokens only, as the behaviour policy's were."""
+
+
+def segments_to_device(batch: TrainingSegments, device: torch.device) -> TrainingSegments:
+    """The micro-batch with every tensor on `device` (the learner's, when it is not the CPU)."""
+    moved = {
+        item.name: None if getattr(batch, item.name) is None else getattr(batch, item.name).to(device)
+        for item in dataclasses.fields(batch)
+    }
+    return TrainingSegments(**moved)
 
 
 def segments_to_batches(
