@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 VENDOR := static/vendor/.built
 
-.PHONY: run test test-all bench install static lint clean
+.PHONY: run test test-all bench install static kernels lint clean
 
 $(INSTALLED): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ $(VENDOR): node_modules/.package-lock.json scripts/build_static.py
 	$(PY) scripts/build_static.py
 	@touch $@
 
-static: $(INSTALLED) $(VENDOR)
+static: $(INSTALLED) $(VENDOR) kernels
+
+# The engine's CPU small-matmul kernel, built ahead of the first decode (cached per CPU; where no compiler
+# is found it says so and the engine uses torch.mm).
+kernels: $(INSTALLED)
+	@$(PY) -m kernels.cpu_small_mm
 
 run: static
 	$(PY) scripts/run.py

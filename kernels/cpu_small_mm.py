@@ -113,3 +113,8 @@ def small_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tenso
         module.small_mm_out(x, w, out)
         return out
     return torch.mm(x, w, out=out)
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_small_mm`: build ahead of first use (make static runs it)
+    logging.basicConfig(level=logging.WARNING)
+    print(f"kernels.cpu_small_mm: {'compiled kernel' if available() else 'torch.mm fallback'}")

@@ -139,3 +139,23 @@ def test_the_learner_actor_updates_saves_and_restores_as_the_in_process_learner(
         torch.testing.assert_close(tensor, remote_weights[name], atol=0, rtol=0)
     after_local, after_resumed = local.update(records), resumed.update(records)
     assert after_resumed.stats["loss"] == pytest.approx(after_local.stats["loss"], abs=1e-6)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("raw", ['"learner_gpus": NaN', '"learner_gpus": 1e400', '"inference_gpus": -0.5',
+                                 '"inference_gpus": 2.5', '"learner_gpus": "all"', '"learner_gpus": true'])
+def test_the_experiments_api_refuses_hostile_gpu_counts_before_anything_is_stored(api_client_for, owner,
+                                                                                policy_checkpoint, raw):
+    import json
+
+    from webapp.experiments.models import Experiment
+
+    config = json.dumps({"init_checkpoint": policy_checkpoint, "steps": 1})[:-1] + ", " + raw + "}"
+    body = '{"name": "gpus", "config": ' + config + "}"
+    answer = api_client_for(owner).post("/api/experiments/", body, content_type="application/json")
+    assert answer.status_code == 400, answer.content
+    # Non-finite numbers stop at the JSON parser; the others are named by the config's own check.
+    field = raw.split('"')[1]
+    expected = "JSON numbers are finite" if "NaN" in raw else "too large" if "1e400" in raw else field
+    assert expected in answer.content.decode()
+    assert not Experiment.objects.exists()
