@@ -5,6 +5,7 @@ with that reason, and the learner actor computing exactly what the in-process le
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -159,3 +160,35 @@ def test_the_experiments_api_refuses_hostile_gpu_counts_before_anything_is_store
     expected = "JSON numbers are finite" if "NaN" in raw else "too large" if "1e400" in raw else field
     assert expected in answer.content.decode()
     assert not Experiment.objects.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU machine)")
+def test_on_a_gpu_the_learner_and_an_inference_actor_run_on_it_and_agree_with_the_cpu(policy_checkpoint, tmp_path):
+    """On a machine with CUDA: the learner actor (1 GPU) and an inference actor (half of the other or the same
+    GPU) put the policy on CUDA with bf16 experts, and the learner's update is close to the CPU learner's."""
+    from training.rollout.actors import InferenceServer
+    from training.rollout.learner_actor import RemoteLearner
+
+    config = RLConfig(run_dir=str(tmp_path / "gpu"), init_checkpoint=policy_checkpoint, temperature=1.0,
+                      routing_replay=True, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0))
+    records = _records(policy_checkpoint)
+    cpu = Learner(dataclasses.replace(config, run_dir=str(tmp_path / "cpu")))
+    cpu.restore(tmp_path / "cpu")
+    expected = cpu.update(records)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        learner = RemoteLearner(config, gpus=0.5)
+        assert learner.description["device"].startswith("cuda") and learner.description["precision"] == "bf16"
+        learner.restore(tmp_path / "gpu")
+        got = learner.update(records)
+        assert got.stats["trained_tokens"] == expected.stats["trained_tokens"]
+        assert got.stats["loss"] == pytest.approx(expected.stats["loss"], rel=0.05, abs=1e-3)  # bf16 experts
+        server = ray.remote(InferenceServer).options(num_gpus=0.5).remote(
+            policy_checkpoint, str(tmp_path / "gpu"), 2, True, None, 0.5)
+        completion = ray.get(server.complete.remote(
+            messages=[{"role": "user", "content": "fix the bug"}], tools=None, max_tokens=8, temperature=1.0,
+            top_p=1.0, timeout_s=60.0, seed=0))
+        assert 0 < completion.completion_tokens <= 8 and all(math.isfinite(x) for x in completion.logprobs)
+        learner.shutdown()
+    finally:
+        ray.shutdown()
