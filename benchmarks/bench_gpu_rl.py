@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from training.devices import policy_precision  # noqa: E402
 from training.engine import EngineConfig, GenerationEngine, SamplingParams  # noqa: E402
 from training.hf.loading import load_hf_model  # noqa: E402
 from training.train.grpo import GRPOConfig, policy_loss, token_logprobs  # noqa: E402
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             directory = Path(scratch) / "model"
             save_random_model(directory, "tiny" if args.tiny else "gpu")
         model, _, family = load_hf_model(directory, dtype=torch.float32, device=device)
-    if device.type == "cuda":
-        model.config.precision = "bf16"  # fp32 master weights, bf16 compute (the trainer's GPU setting)
+    if device.type == "cuda":  # fp32 master weights, bf16 expert compute: the RL actors' rule on a GPU
+        model.config.precision = policy_precision(device, None)
     params = sum(p.numel() for p in model.parameters())
     print(f"model {family.model_type}: {params / 1e6:.1f}M parameters on "
           f"{device} ({model.config.precision}); {args.groups} prompts x {args.group} samples, "

@@ -353,10 +353,10 @@ def main() -> None:
     if args.curve_heldout and not args.combine:
         start_curve = evaluate(args.init_checkpoint, args, tasks=args.curve_heldout, attempts=1)["pass_at_1"]
     (run_dir / "start_evaluation.json").write_text(json.dumps(asdict(start), indent=2, default=str))
-    jobs = [("rl", seed) for seed in args.seeds] if args.seeds else [(recipe, args.seed) for recipe in args.recipes]
     if args.combine:
         finished = [(result_load(Path(path), args), None) for path in args.combine]
     else:
+        jobs = [("rl", seed) for seed in args.seeds] if args.seeds else [(r, args.seed) for r in args.recipes]
         finished = [run_and_evaluate(recipe, seed, args, start_curve) for recipe, seed in jobs]
     results = [result for result, _ in finished]
     evaluations = [start] + [result.final for result in results]

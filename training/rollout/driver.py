@@ -471,8 +471,7 @@ def _ray_start(config: AsyncRLConfig):
                 f"{config.inference_gpus:g}",
             )
         except Exception:
-            if owns_ray:
-                ray.shutdown()
+            _ray_stop((ray, owns_ray, None, False))
             raise
     fleet, fleet_started = _fleet_start(config) if config.sandbox_hosts else (None, False)
     return ray, owns_ray, fleet, fleet_started

@@ -98,7 +98,7 @@ class RemoteLearner:
     def save(self, **kwargs: Any) -> float:
         import ray
 
-        return ray.get(self.actor.save.remote({**kwargs, "run_dir": str(kwargs["run_dir"])}))
+        return ray.get(self.actor.save.remote(kwargs))
 
     def expert_record(self, **kwargs: Any) -> RolloutRecord:
         import ray
