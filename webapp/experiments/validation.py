@@ -49,6 +49,8 @@ def experiment_config_bounds() -> dict[str, Range]:
         "updates_per_step": Range(1, 100),
         "reference_similarity_weight": Range(0, 1),
         "ray_num_cpus": Range(1, workers),
+        "learner_gpus": Range(0, 8),  # fractions below 1, whole numbers above (AsyncRLConfig checks)
+        "inference_gpus": Range(0, 8),
         "seed": Range(0, 2**32 - 1),
         "keep_checkpoints": Range(1, 1000),
     }
