@@ -80,6 +80,20 @@ def main() -> int:
     # Warm-up: first container start pays image/layer setup once.
     backend.sandbox_create(snapshot=snapshot, limits=LIMITS).destroy()
 
+    cold = _bench_starts(backend, snapshot, reps)
+    _bench_fork(backend, snapshot, reps=reps, count=args.fork, cold=cold)
+    direct_exec = _bench_exec(backend, snapshot, reps)
+    _bench_concurrency(backend, snapshot, args.concurrency)
+
+    if not args.no_ray:
+        _bench_ray(snapshot_dir=repo, reps=reps * 2, direct_exec=direct_exec)
+    backend.close()
+    backend.reap_orphans()
+    return 0
+
+
+def _bench_starts(backend, snapshot, reps: int) -> list[float]:
+    """Bare docker run, cold create and warm claim; returns the cold creates."""
     client = backend._client
     bare: list[float] = []
     for _ in range(reps):
@@ -108,46 +122,51 @@ def main() -> int:
     for sandbox in claimed:
         sandbox.destroy()
     report("warm claim", warm, cold, "cold create")
+    return cold
 
+
+def _bench_fork(backend, snapshot, *, reps: int, count: int, cold: list[float]) -> None:
+    """One fork of `count` sandboxes against as many sequential creates."""
     fork_reps = max(2, reps // 5)
     forks: list[float] = []
     for _ in range(fork_reps):
         started = time.perf_counter()
-        sandboxes = backend.sandbox_fork(snapshot=snapshot, count=args.fork, limits=LIMITS)
+        sandboxes = backend.sandbox_fork(snapshot=snapshot, count=count, limits=LIMITS)
         forks.append(time.perf_counter() - started)
         for sandbox in sandboxes:
             sandbox.destroy()
-    sequential = [p * args.fork for p in cold]
-    report(f"fork of {args.fork}", forks, sequential, f"{args.fork} sequential creates")
-    report(f"fork of {args.fork}, per sandbox", [f / args.fork for f in forks])
+    sequential = [p * count for p in cold]
+    report(f"fork of {count}", forks, sequential, f"{count} sequential creates")
+    report(f"fork of {count}, per sandbox", [f / count for f in forks])
 
+
+def _bench_exec(backend, snapshot, reps: int) -> list[float]:
+    """Direct exec and host-side file reads; returns the exec times."""
     sandbox = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
     direct_exec = [timed(lambda: sandbox.exec("echo hi")) for _ in range(reps * 2)]
     report("exec 'echo hi' direct", direct_exec)
     file_ops = [timed(lambda: sandbox.read_bytes("module_7.py")) for _ in range(reps * 2)]
     report("read_bytes (host side)", file_ops, direct_exec, "exec")
     sandbox.destroy()
+    return direct_exec
 
+
+def _bench_concurrency(backend, snapshot, concurrency: int) -> None:
+    """create+exec+destroy cycles one at a time and `concurrency` at once."""
     def cycle() -> float:
         return timed(lambda: _cycle(backend, snapshot))
 
     serial_start = time.perf_counter()
-    serial = [cycle() for _ in range(args.concurrency)]
+    serial = [cycle() for _ in range(concurrency)]
     serial_wall = time.perf_counter() - serial_start
     parallel_start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        parallel = list(pool.map(lambda _: cycle(), range(args.concurrency)))
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        parallel = list(pool.map(lambda _: cycle(), range(concurrency)))
     parallel_wall = time.perf_counter() - parallel_start
     report("create+exec+destroy, 1 at a time", serial)
-    report(f"create+exec+destroy, {args.concurrency} at once", parallel)
-    print(f"{'throughput':<34} {args.concurrency / parallel_wall:8.2f} sandboxes/s concurrent vs "
-          f"{args.concurrency / serial_wall:.2f} serial   ratio: {serial_wall / parallel_wall:.2f}x", flush=True)
-
-    if not args.no_ray:
-        _bench_ray(snapshot_dir=repo, reps=reps * 2, direct_exec=direct_exec)
-    backend.close()
-    backend.reap_orphans()
-    return 0
+    report(f"create+exec+destroy, {concurrency} at once", parallel)
+    print(f"{'throughput':<34} {concurrency / parallel_wall:8.2f} sandboxes/s concurrent vs "
+          f"{concurrency / serial_wall:.2f} serial   ratio: {serial_wall / parallel_wall:.2f}x", flush=True)
 
 
 def _cycle(backend, snapshot) -> None:

@@ -123,13 +123,24 @@ def main() -> None:
     w_down = (torch.randn(experts, d_ff, d_model, generator=generator) / d_ff**0.5).to(DEVICE)
     grad = torch.randn(tokens, d_model, generator=generator).to(DEVICE, torch.bfloat16)
 
-    # 1. quantize
+    _bench_quantize(x, repeats)
+    flops = _bench_forward(x, w_gate, w_up, offsets, repeats)
+    _bench_wgrad(x, offsets, d_ff, flops, generator, repeats)
+    _bench_layer(x, offsets, (w_gate, w_up, w_down), grad, tokens * d_model * d_ff, repeats)
+
+
+def _bench_quantize(x: torch.Tensor, repeats: int) -> None:
+    """1. Triton 1x32 row quantization against the PyTorch reference."""
     fast = time_ms(lambda: quantize_mxfp8_rows(x), repeats=repeats)
     base = time_ms(lambda: quantize_mxfp8_rows_reference(x), repeats=repeats)
     same = quantize_mxfp8_rows(x).data.view(torch.uint8).equal(quantize_mxfp8_rows_reference(x).data.view(torch.uint8))
     moved = x.numel() * (2 + 1) + x.numel() // 32
     report("quantize rows (bf16 -> MXFP8)", fast, base, moved, "GB/s", f"bit-exact vs reference: {same}")
 
+
+def _bench_forward(x, w_gate, w_up, offsets, repeats: int) -> float:
+    """2. The grouped GEMM forward three ways against bf16 torch._grouped_mm; returns its flops."""
+    tokens, d_model, d_ff = x.shape[0], x.shape[1], w_gate.shape[2]
     # 2. grouped GEMM forward, operands quantized outside the timed region
     w_gate_up = torch.cat([w_gate, w_up], dim=2)
     x_rows, w_cols = quantize_mxfp8_rows(x), quantize_mxfp8_cols(w_gate_up)
@@ -158,8 +169,12 @@ def main() -> None:
         offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))])
     check = sqnr_db(exact, fp8_blockwise_grouped_mm_dgrad(x_blocks, w_t_blocks, offsets))
     report("Hopper-recipe fwd, K-major w", fast, base, flops, "TFLOP/s", f"vs fp32 {check:.1f} dB")
+    return flops
 
-    # 3. grouped wgrad
+
+def _bench_wgrad(x, offsets, d_ff: int, flops: float, generator, repeats: int) -> None:
+    """3. The grouped weight gradient against bf16 torch._grouped_mm along the reduction."""
+    tokens = x.shape[0]
     dy = torch.randn(tokens, 2 * d_ff, generator=generator).to(DEVICE, torch.bfloat16)
     x_cols = quantize_mxfp8_cols(x, offsets=offsets)
     dy_cols = quantize_mxfp8_cols(dy, offsets=offsets)
@@ -170,8 +185,11 @@ def main() -> None:
     report("grouped wgrad (gate+up)", fast, base, flops, "TFLOP/s",
            f"vs emulated {check:.0f} dB")
 
-    # 4. the whole expert layer, forward + backward
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
+
+def _bench_layer(x, offsets, weights, grad, size: float, repeats: int) -> None:
+    """4. The MoE SwiGLU expert layer, forward + backward, MXFP8 on Triton against bf16 (size: tokens x d_model x d_ff)."""
+    w_gate, w_up, w_down = weights
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *weights)]
 
     def mxfp8_layer():
         out = grouped_swiglu(leaves[0], offsets, *leaves[1:], precision="mxfp8", backend="triton")
@@ -179,7 +197,7 @@ def main() -> None:
 
     bf16_leaves = [
         t.detach().to(torch.bfloat16).contiguous().requires_grad_()
-        for t in (x, w_gate_up, w_down)
+        for t in (x, torch.cat([w_gate, w_up], dim=2), w_down)
     ]
 
     def bf16_layer():
@@ -192,7 +210,7 @@ def main() -> None:
         reference_out = grouped_swiglu(x, offsets, w_gate, w_up, w_down, precision="mxfp8", backend="reference")
         triton_out = grouped_swiglu(x, offsets, w_gate, w_up, w_down, precision="mxfp8", backend="triton")
     check = sqnr_db(reference_out.float(), triton_out.float())
-    layer_flops = 3 * (2.0 * tokens * d_model * 3 * d_ff)  # forward + 2x for backward
+    layer_flops = 3 * (2.0 * size * 3)  # forward + 2x for backward
     report("MoE SwiGLU layer fwd+bwd", fast, base, layer_flops, "TFLOP/s",
            f"vs reference path {check:.0f} dB")
     if ON_GPU:

@@ -44,6 +44,10 @@ from training.rollout.driver import METRICS_FILE, AsyncRLConfig, read_jsonl, run
 from training.train.objective_options import ENTROPY_SCOPES
 from training.train.state import latest_checkpoint
 
+CURVE_KEYS = ("mean_reward", "pass_rate", "sampled_pass_rate", "abandoned_groups", "tool_calls_per_turn",
+              "parallel_call_share", "staleness_mean", "mean_completion_tokens", "lr")
+"""The driver's per-step metrics kept as curves in the report."""
+
 
 def evaluate(checkpoint: str, args: argparse.Namespace, disable_tools: tuple[str, ...] = ()) -> dict:
     config = BenchConfig(
@@ -111,10 +115,8 @@ def unpaired_difference_interval(before: dict, after: dict) -> tuple[float, floa
     return difference, difference - 1.96 * standard_error, difference + 1.96 * standard_error
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run: checkpoint, budget, tasks, rollout and sampling settings."""
     parser.add_argument("--init-checkpoint", default=None, help="SFT checkpoint to start from (required)")
     parser.add_argument("--run-dir", default="var/runs/learning")
     parser.add_argument("--minutes", type=float, default=60.0, help="training wall-clock budget")
@@ -140,6 +142,9 @@ def main() -> None:
     parser.add_argument("--rollout-temperature", type=float, default=None,
                         help="sampling temperature of the training rollouts (default: --temperature); a hotter "
                              "one trains the policy to be good when sampled broadly, so it is sharper at --temperature")
+
+def _add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """The update: learning rate and its schedule, the GRPO objective's options, rewards, decoding."""
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--warmup-steps", type=int, default=0, help="updates of linear learning-rate warmup")
     parser.add_argument("--max-updates", type=int, default=None,
@@ -177,6 +182,9 @@ def main() -> None:
                              "constrained decoding unless --no-copy-constraint is given")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
+
+def _add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Evaluation-only and comparison modes."""
     parser.add_argument("--evaluate-only", default=None, metavar="CHECKPOINT",
                         help="only evaluate CHECKPOINT on the held-out tasks (no training)")
     parser.add_argument("--disable-tools", default="",
@@ -188,53 +196,45 @@ def main() -> None:
                              "used as the before figure instead of evaluating again (evaluation is seeded)")
     parser.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE_JSON", "AFTER_JSON"),
                         help="paired pass@1 difference of two --output files (same suite and settings)")
-    args = parser.parse_args()
-    if args.compare:
-        before, after = (json.loads(Path(path).read_text()) for path in args.compare)
-        difference, low, high, tasks = paired_pass_at_1_difference(before["per_task"], after["per_task"])
-        print(
-            f"pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f}: {100 * difference:+.1f} points, "
-            f"paired 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] over {tasks} tasks"
-        )
-        if "config" in after:
-            print_task_changes(heldout_task_changes(before, after))
-        else:
-            print("no suite recorded in AFTER_JSON (not an --evaluate-only --output file): changes by bug kind left out")
-        return
-    if args.init_checkpoint is None and args.evaluate_only is None:
-        # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
-        print(
-            "bench_learning: not run. It needs an SFT checkpoint and ~60 minutes: "
-            "benchmarks/bench_learning.py --init-checkpoint PATH [--minutes 60]"
-        )
-        return
 
-    if args.split != "heldout" and not args.evaluate_only:
-        parser.error("--split validation needs --evaluate-only: a learning run's before/after is the held-out test")
-    if not args.evaluate_only and args.heldout < 2:
-        # Said now rather than after the training budget: the before/after comparison is a paired interval.
-        parser.error(f"--heldout {args.heldout}: the paired interval of the gain needs at least 2 held-out tasks")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _add_run_arguments(parser)
+    _add_objective_arguments(parser)
+    _add_evaluation_arguments(parser)
+    return parser
 
-    if args.evaluate_only:
-        # One held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation of a run).
-        disabled = tuple(name for name in args.disable_tools.split(",") if name)
-        summary = evaluate(args.evaluate_only, args, disabled)
-        if args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(json.dumps(summary, indent=2))
-        summary.pop("per_task")
-        print(json.dumps(summary, indent=2))
-        return
 
-    started = time.monotonic()
-    before = load_baseline(args) if args.baseline else evaluate(args.init_checkpoint, args)
-    stop = threading.Event()
-    # With --max-updates the schedule counts updates and this timer only stops the run; without it the
-    # driver keeps the clock itself (time_budget_minutes), so its lr decay ends when the budget does.
-    timer = threading.Timer(args.minutes * 60, stop.set)
-    if args.max_updates is not None:
-        timer.start()
-    config = AsyncRLConfig(
+def compare(paths: list[str]) -> None:
+    """--compare: the paired pass@1 difference of two --output files."""
+    before, after = (json.loads(Path(path).read_text()) for path in paths)
+    difference, low, high, tasks = paired_pass_at_1_difference(before["per_task"], after["per_task"])
+    print(
+        f"pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f}: {100 * difference:+.1f} points, "
+        f"paired 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] over {tasks} tasks"
+    )
+    if "config" in after:
+        print_task_changes(heldout_task_changes(before, after))
+    else:
+        print("no suite recorded in AFTER_JSON (not an --evaluate-only --output file): changes by bug kind left out")
+
+
+def evaluate_checkpoint(args: argparse.Namespace) -> None:
+    """--evaluate-only: one held-out evaluation of a finished checkpoint (e.g. the semantic_search ablation)."""
+    disabled = tuple(name for name in args.disable_tools.split(",") if name)
+    summary = evaluate(args.evaluate_only, args, disabled)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(summary, indent=2))
+    summary.pop("per_task")
+    print(json.dumps(summary, indent=2))
+
+
+def rl_config(args: argparse.Namespace) -> AsyncRLConfig:
+    """The driver's config for this run's arguments."""
+    return AsyncRLConfig(
         run_dir=args.run_dir,
         init_checkpoint=args.init_checkpoint,
         steps=args.max_updates or 100_000,
@@ -265,6 +265,19 @@ def main() -> None:
         updates_per_step=args.updates_per_step,
         keep_checkpoints=3,
     )
+
+
+def train_and_evaluate(args: argparse.Namespace) -> dict:
+    """Train for the budget, evaluate the final checkpoint (with and without semantic_search): the report."""
+    started = time.monotonic()
+    before = load_baseline(args) if args.baseline else evaluate(args.init_checkpoint, args)
+    stop = threading.Event()
+    # With --max-updates the schedule counts updates and this timer only stops the run; without it the
+    # driver keeps the clock itself (time_budget_minutes), so its lr decay ends when the budget does.
+    timer = threading.Timer(args.minutes * 60, stop.set)
+    if args.max_updates is not None:
+        timer.start()
+    config = rl_config(args)
     training_started = time.monotonic()
     try:
         run_async_rl(config, stop=stop)
@@ -277,20 +290,7 @@ def main() -> None:
     # the prompt, and the tiny model then stops calling tools at all: that measured the prompt, not the tool).
     after_without_search = evaluate(str(final), args, ("semantic_search",)) if final is not None else None
     metrics = read_jsonl(Path(args.run_dir) / METRICS_FILE)
-    curves = {
-        key: [[row["step"], row.get(key)] for row in metrics]
-        for key in (
-            "mean_reward",
-            "pass_rate",
-            "sampled_pass_rate",
-            "abandoned_groups",
-            "tool_calls_per_turn",
-            "parallel_call_share",
-            "staleness_mean",
-            "mean_completion_tokens",
-            "lr",
-        )
-    }
+    curves = {key: [[row["step"], row.get(key)] for row in metrics] for key in CURVE_KEYS}
     report = {
         "init_checkpoint": args.init_checkpoint,
         "final_checkpoint": str(final) if final else None,
@@ -316,6 +316,11 @@ def main() -> None:
         _, low, high = unpaired_difference_interval(before, after)
         report["pass_at_1_gain_unpaired_ci95_points"] = [round(100 * low, 1), round(100 * high, 1)]
         report["heldout_task_changes"] = heldout_task_changes(before, after)
+    return report
+
+
+def report_write_and_print(args: argparse.Namespace, report: dict) -> None:
+    """RUN_DIR/learning_report.json, and the figures on the console."""
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.run_dir) / "learning_report.json").write_text(json.dumps(report, indent=2))
     # Per-task rows and curves stay in the file; the console gets the figures.
@@ -324,17 +329,42 @@ def main() -> None:
         if printed[key] is not None:
             printed[key] = {k: v for k, v in printed[key].items() if k != "per_task"}
     print(json.dumps(printed, indent=2))
+    before, after = report["heldout_before"], report["heldout_after"]
     if after is not None:
         print(
             f"held-out pass@1 {before['pass_at_1']:.3f} -> {after['pass_at_1']:.3f} "
             f"({report['pass_at_1_gain_points']:+.1f} points, paired 95% CI {report['pass_at_1_gain_ci95_points']} "
-            f"over {paired_tasks} tasks; unpaired {report['pass_at_1_gain_unpaired_ci95_points']}) "
-            f"after {training_minutes:.1f} min / {len(metrics)} steps; ratio after/before "
+            f"over {report['pass_at_1_gain_paired_tasks']} tasks; unpaired {report['pass_at_1_gain_unpaired_ci95_points']}) "
+            f"after {report['training_minutes']:.1f} min / {report['steps']} steps; ratio after/before "
             f"{(after['pass_at_1'] or 0) / max(before['pass_at_1'] or 0, 1e-9):.2f}"
         )
         print_task_changes(report["heldout_task_changes"])
     else:
         print("no training step finished within the budget: nothing to evaluate")
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.compare:
+        compare(args.compare)
+        return
+    if args.init_checkpoint is None and args.evaluate_only is None:
+        # `make bench` runs every script; this one needs an SFT checkpoint and an hour, so it says how.
+        print(
+            "bench_learning: not run. It needs an SFT checkpoint and ~60 minutes: "
+            "benchmarks/bench_learning.py --init-checkpoint PATH [--minutes 60]"
+        )
+        return
+    if args.split != "heldout" and not args.evaluate_only:
+        parser.error("--split validation needs --evaluate-only: a learning run's before/after is the held-out test")
+    if not args.evaluate_only and args.heldout < 2:
+        # Said now rather than after the training budget: the before/after comparison is a paired interval.
+        parser.error(f"--heldout {args.heldout}: the paired interval of the gain needs at least 2 held-out tasks")
+    if args.evaluate_only:
+        evaluate_checkpoint(args)
+        return
+    report_write_and_print(args, train_and_evaluate(args))
 
 
 if __name__ == "__main__":
