@@ -123,10 +123,11 @@ def main() -> None:
     w_down = (torch.randn(experts, d_ff, d_model, generator=generator) / d_ff**0.5).to(DEVICE)
     grad = torch.randn(tokens, d_model, generator=generator).to(DEVICE, torch.bfloat16)
 
+    w_gate_up = torch.cat([w_gate, w_up], dim=2)
     _bench_quantize(x, repeats)
-    flops = _bench_forward(x, w_gate, w_up, offsets, repeats)
+    flops = _bench_forward(x, w_gate_up, offsets, repeats)
     _bench_wgrad(x, offsets, d_ff, flops, generator, repeats)
-    _bench_layer(x, offsets, (w_gate, w_up, w_down), grad, tokens * d_model * d_ff, repeats)
+    _bench_layer(x, offsets, (w_gate, w_up, w_down), w_gate_up, grad, repeats)
 
 
 def _bench_quantize(x: torch.Tensor, repeats: int) -> None:
@@ -138,11 +139,10 @@ def _bench_quantize(x: torch.Tensor, repeats: int) -> None:
     report("quantize rows (bf16 -> MXFP8)", fast, base, moved, "GB/s", f"bit-exact vs reference: {same}")
 
 
-def _bench_forward(x, w_gate, w_up, offsets, repeats: int) -> float:
+def _bench_forward(x, w_gate_up, offsets, repeats: int) -> float:
     """2. The grouped GEMM forward three ways against bf16 torch._grouped_mm; returns its flops."""
-    tokens, d_model, d_ff = x.shape[0], x.shape[1], w_gate.shape[2]
+    tokens, d_model, d_ff = x.shape[0], x.shape[1], w_gate_up.shape[2] // 2
     # 2. grouped GEMM forward, operands quantized outside the timed region
-    w_gate_up = torch.cat([w_gate, w_up], dim=2)
     x_rows, w_cols = quantize_mxfp8_rows(x), quantize_mxfp8_cols(w_gate_up)
     w_gate_up_bf16 = w_gate_up.to(torch.bfloat16)
     fast = time_ms(lambda: mx_grouped_mm_triton(x_rows, w_cols, offsets, out_dtype=torch.bfloat16), repeats=repeats)
@@ -186,9 +186,10 @@ def _bench_wgrad(x, offsets, d_ff: int, flops: float, generator, repeats: int) -
            f"vs emulated {check:.0f} dB")
 
 
-def _bench_layer(x, offsets, weights, grad, size: float, repeats: int) -> None:
-    """4. The MoE SwiGLU expert layer, forward + backward, MXFP8 on Triton against bf16 (size: tokens x d_model x d_ff)."""
+def _bench_layer(x, offsets, weights, w_gate_up, grad, repeats: int) -> None:
+    """4. The MoE SwiGLU expert layer, forward + backward, MXFP8 on Triton against bf16 (gate and up fused)."""
     w_gate, w_up, w_down = weights
+    tokens, d_model, d_ff = x.shape[0], x.shape[1], w_gate.shape[2]
     leaves = [t.detach().clone().requires_grad_() for t in (x, *weights)]
 
     def mxfp8_layer():
@@ -197,7 +198,7 @@ def _bench_layer(x, offsets, weights, grad, size: float, repeats: int) -> None:
 
     bf16_leaves = [
         t.detach().to(torch.bfloat16).contiguous().requires_grad_()
-        for t in (x, torch.cat([w_gate, w_up], dim=2), w_down)
+        for t in (x, w_gate_up, w_down)
     ]
 
     def bf16_layer():
@@ -210,7 +211,7 @@ def _bench_layer(x, offsets, weights, grad, size: float, repeats: int) -> None:
         reference_out = grouped_swiglu(x, offsets, w_gate, w_up, w_down, precision="mxfp8", backend="reference")
         triton_out = grouped_swiglu(x, offsets, w_gate, w_up, w_down, precision="mxfp8", backend="triton")
     check = sqnr_db(reference_out.float(), triton_out.float())
-    layer_flops = 3 * (2.0 * size * 3)  # forward + 2x for backward
+    layer_flops = 3 * (2.0 * tokens * d_model * 3 * d_ff)  # forward + 2x for backward
     report("MoE SwiGLU layer fwd+bwd", fast, base, layer_flops, "TFLOP/s",
            f"vs reference path {check:.0f} dB")
     if ON_GPU:

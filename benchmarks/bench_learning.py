@@ -143,6 +143,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature of the training rollouts (default: --temperature); a hotter "
                              "one trains the policy to be good when sampled broadly, so it is sharper at --temperature")
 
+
 def _add_objective_arguments(parser: argparse.ArgumentParser) -> None:
     """The update: learning rate and its schedule, the GRPO objective's options, rewards, decoding."""
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -182,6 +183,7 @@ def _add_objective_arguments(parser: argparse.ArgumentParser) -> None:
                              "constrained decoding unless --no-copy-constraint is given")
     parser.add_argument("--updates-per-step", type=int, default=1,
                         help="optimizer steps on each batch (later ones off-policy, clipped ratio)")
+
 
 def _add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
     """Evaluation-only and comparison modes."""
