@@ -128,72 +128,58 @@ def test_pause_before_the_driver_starts_then_resume(
     assert experiment.status == "queued" and not experiment.pause_requested and len(callbacks) == 2
 
 
-@pytest.mark.django_db(transaction=True)
-def test_monitor_survives_killed_worker_and_driver_without_double_counting_and_streams_steps(
-    owner, outsider, policy_checkpoint, state_dir, asgi_server, client
-):
-    from training.checkpoint import load_checkpoint
+def _wait_for_checkpoint(run_dir: str, version: int) -> None:
+    from training.rollout.driver import checkpointed_version
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and checkpointed_version(run_dir) < version:
+        time.sleep(0.2)
+
+
+def _kill_a_rollout_worker_then_the_driver(run_dir: str, killed: threading.Event) -> None:
+    """SIGKILL one rollout worker after the first checkpoint, then the driver's process group after the
+    second (unless it already finished); `killed` says the driver was killed."""
     from training.rollout.driver import checkpointed_version, read_status
+
+    _wait_for_checkpoint(run_dir, 1)
+    os.kill(read_status(run_dir)["rollout_worker_pids"][0], signal.SIGKILL)
+    _wait_for_checkpoint(run_dir, 2)
+    pid = read_status(run_dir).get("pid")
+    if pid and checkpointed_version(run_dir) < 4:
+        os.killpg(pid, signal.SIGKILL)
+        killed.set()
+
+
+def _monitor_in_thread(experiment_id: int) -> str:
+    from django.db import connection
+
+    try:
+        return services.experiment_monitor(experiment_id=experiment_id)
+    finally:
+        connection.close()  # the thread's own connection, or the test database cannot be dropped
+
+
+async def _watch_until_finished(asgi_server: str, experiment_id: int, token: str):
+    """Subscribe to the experiment's socket, run the monitor to its end, and collect every message up
+    to the "finished" status: (first snapshot, the monitor's note, the messages after the snapshot)."""
+    headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
+    async with websockets.connect(
+        f"ws://{asgi_server}/ws/experiments/{experiment_id}/", additional_headers=headers
+    ) as ws:
+        snapshot = json.loads(await asyncio.wait_for(ws.recv(), timeout=15))
+        note = await asyncio.to_thread(_monitor_in_thread, experiment_id)
+        received = []
+        while not any(m.get("kind") == "status" and m.get("status") == "finished" for m in received):
+            received.append(json.loads(await asyncio.wait_for(ws.recv(), timeout=15)))
+        return snapshot, note, received
+
+
+def _assert_every_rollout_counted_once(experiment: Experiment, policy_checkpoint: str) -> list:
+    """Four steps, eight distinct rollouts in groups of two, each counted once by the final checkpoint;
+    ingesting again adds nothing. Returns the rollouts."""
+    from training.checkpoint import load_checkpoint
     from training.train.state import latest_checkpoint, load_train_checkpoint
 
-    experiment = Experiment.objects.create(
-        owner=owner,
-        name="live",
-        config=_small_config(policy_checkpoint, steps=4),
-        run_dir=str(state_dir / "experiments" / "live"),
-    )
-    token = api_token_get_or_create(user=owner)
-    killed = threading.Event()
-
-    def wait_for_checkpoint(version: int) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and checkpointed_version(experiment.run_dir) < version:
-            time.sleep(0.2)
-
-    def kill_a_rollout_worker_then_the_driver() -> None:
-        wait_for_checkpoint(1)
-        os.kill(read_status(experiment.run_dir)["rollout_worker_pids"][0], signal.SIGKILL)
-        wait_for_checkpoint(2)
-        pid = read_status(experiment.run_dir).get("pid")
-        if pid and checkpointed_version(experiment.run_dir) < 4:
-            os.killpg(pid, signal.SIGKILL)
-            killed.set()
-
-    killer = threading.Thread(target=kill_a_rollout_worker_then_the_driver, daemon=True)
-    killer.start()
-
-    def monitor_in_thread() -> str:
-        from django.db import connection
-
-        try:
-            return services.experiment_monitor(experiment_id=experiment.pk)
-        finally:
-            connection.close()  # the thread's own connection, or the test database cannot be dropped
-
-    async def watch():
-        headers = {"Authorization": f"Token {token}", "Origin": "http://127.0.0.1"}
-        async with websockets.connect(
-            f"ws://{asgi_server}/ws/experiments/{experiment.pk}/", additional_headers=headers
-        ) as ws:
-            snapshot = json.loads(await asyncio.wait_for(ws.recv(), timeout=15))
-            note = await asyncio.to_thread(monitor_in_thread)
-            received = []
-            while not any(m.get("kind") == "status" and m.get("status") == "finished" for m in received):
-                received.append(json.loads(await asyncio.wait_for(ws.recv(), timeout=15)))
-            return snapshot, note, received
-
-    snapshot, note, received = asyncio.run(watch())
-    assert snapshot["kind"] == "snapshot" and snapshot["steps"] == []
-    assert note == "finished"
-    streamed = [
-        step["step"] for message in received if message["kind"] == "steps" for step in message["steps"]
-    ]
-    assert sorted(streamed) == [1, 2, 3, 4]
-
-    experiment.refresh_from_db()
-    assert killed.is_set(), "the driver finished before it could be killed"
-    # The monitor saw the driver die and started it again; it resumed from its checkpoint.
-    assert experiment.status == "finished" and experiment.current_step == 4 and experiment.launches == 2
     steps = list(ExperimentStep.objects.filter(experiment=experiment).values_list("step", flat=True))
     assert steps == [1, 2, 3, 4]
     rollouts = list(ExperimentRollout.objects.filter(experiment=experiment))
@@ -208,20 +194,48 @@ def test_monitor_survives_killed_worker_and_driver_without_double_counting_and_s
     assert all(r.trace is not None and r.trace.source == "training" for r in rollouts)
     assert experiment.checkpoints.count() >= 2
     assert services.experiment_ingest(experiment=experiment) == 0  # idempotent
+    return rollouts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_monitor_survives_killed_worker_and_driver_without_double_counting_and_streams_steps(
+    owner, outsider, policy_checkpoint, state_dir, asgi_server, client
+):
+    experiment = Experiment.objects.create(
+        owner=owner,
+        name="live",
+        config=_small_config(policy_checkpoint, steps=4),
+        run_dir=str(state_dir / "experiments" / "live"),
+    )
+    token = api_token_get_or_create(user=owner)
+    killed = threading.Event()
+    threading.Thread(
+        target=_kill_a_rollout_worker_then_the_driver, args=(experiment.run_dir, killed), daemon=True
+    ).start()
+
+    snapshot, note, received = asyncio.run(_watch_until_finished(asgi_server, experiment.pk, token))
+    assert snapshot["kind"] == "snapshot" and snapshot["steps"] == []
+    assert note == "finished"
+    streamed = [
+        step["step"] for message in received if message["kind"] == "steps" for step in message["steps"]
+    ]
+    assert sorted(streamed) == [1, 2, 3, 4]
+
+    experiment.refresh_from_db()
+    assert killed.is_set(), "the driver finished before it could be killed"
+    # The monitor saw the driver die and started it again; it resumed from its checkpoint.
+    assert experiment.status == "finished" and experiment.current_step == 4 and experiment.launches == 2
+    rollouts = _assert_every_rollout_counted_once(experiment, policy_checkpoint)
 
     client.force_login(owner)
-    group = client.get(reverse("experiments:experiment-group", args=[experiment.pk, rollouts[0].group_id]))
+    group_url = reverse("experiments:experiment-group", args=[experiment.pk, rollouts[0].group_id])
+    group = client.get(group_url)
     assert group.status_code == 200
     assert reverse("agents:task-detail", args=[rollouts[0].trace_id]) in group.content.decode()
     page = client.get(reverse("experiments:experiment-detail", args=[experiment.pk])).content.decode()
     assert "initial-series" in page and "Evaluate" in page
     client.force_login(outsider)
-    assert (
-        client.get(
-            reverse("experiments:experiment-group", args=[experiment.pk, rollouts[0].group_id])
-        ).status_code
-        == 404
-    )
+    assert client.get(group_url).status_code == 404
 
 
 @pytest.mark.django_db(transaction=True)
