@@ -50,6 +50,11 @@ def _variant(spec: str, *, path: str, cache: Path, threads: int):
         from sandboxes.semantic.bf16_encoder import TorchBf16TextEncoder
 
         return TorchBf16TextEncoder(model=model, max_seq_length=int(length)), int(batch)
+    if backend == "openvino-int8":
+        from sandboxes.semantic.openvino_encoder import OpenVinoTextEncoder, openvino_model_path
+
+        xml = openvino_model_path(model=model, cache_dir=cache / encoder_fingerprint(path), max_seq_length=int(length))
+        return OpenVinoTextEncoder(model=model, model_path=xml, max_seq_length=int(length), threads=threads), int(batch)
     from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
 
     onnx_path = onnx_model_path(model=model, cache_dir=cache / encoder_fingerprint(path), backend=backend,

@@ -13,7 +13,7 @@ from typing import Any
 from sandboxes.settings import current as current_settings
 
 VECTOR_STORES = ("auto", "memory", "pgvector")
-ENCODER_BACKENDS = ("torch", "torch-bf16", "onnx", "onnx-int8")
+ENCODER_BACKENDS = ("torch", "torch-bf16", "onnx", "onnx-int8", "openvino-int8")
 
 
 class SemanticSearchError(ValueError):

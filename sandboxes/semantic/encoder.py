@@ -132,6 +132,10 @@ _TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
 def encoder_tag(config: SemanticSearchConfig) -> str:
     """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
     graph = "-fused" if config.encoder_backend.startswith("onnx") else ""  # ONNX graphs since the fused export
+    if config.encoder_backend == "openvino-int8":  # statically quantized: its ranges come from the calibration set
+        from sandboxes.semantic.calibration import calibration_digest
+
+        graph = f"-c{calibration_digest()}"
     return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}{graph}-s{config.max_seq_length}"
 
 
@@ -151,6 +155,16 @@ def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:
         from sandboxes.semantic.bf16_encoder import TorchBf16TextEncoder
 
         encoder = TorchBf16TextEncoder(model=model, max_seq_length=config.max_seq_length)
+    elif backend == "openvino-int8":
+        import torch
+
+        from sandboxes.semantic.openvino_encoder import OpenVinoTextEncoder, openvino_model_path
+
+        encoder = OpenVinoTextEncoder(
+            model=model, model_path=openvino_model_path(model=model, cache_dir=cache_dir,
+                                                        max_seq_length=config.max_seq_length),
+            max_seq_length=config.max_seq_length, threads=torch.get_num_threads(),
+        )
     else:
         import torch
 

@@ -1,4 +1,4 @@
-"""The indexing fast path (ONNX Runtime, length-sorted batches, int8) against the reference path.
+"""The indexing fast paths (ONNX Runtime and OpenVINO, length-sorted batches, int8) against the reference path.
 
 The fixed sample is the first 96 chunks of the retrieval benchmark's held-out set (stdlib code with
 its docstrings removed) plus a few short queries, all encoded at the index's sequence length. The
@@ -49,7 +49,7 @@ def _cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 
 
 BOUNDS = [("onnx", FP32_MIN_COSINE, FP32_MIN_COSINE), ("onnx-int8", INT8_MIN_COSINE, INT8_MEAN_COSINE),
-          ("torch-bf16", BF16_MIN_COSINE, BF16_MEAN_COSINE)]
+          ("torch-bf16", BF16_MIN_COSINE, BF16_MEAN_COSINE), ("openvino-int8", INT8_MIN_COSINE, INT8_MEAN_COSINE)]
 TRAINED_CHECKPOINT = Path("var/embeddings/code-search")
 """Where ``manage.py train_embeddings`` puts the fine-tuned encoder (not shipped; checked when present)."""
 
@@ -137,11 +137,11 @@ def test_the_bound_holds_for_the_trained_code_search_encoder(
                                    min_cosine=min_cosine, mean_cosine=mean_cosine)
 
 
-@pytest.mark.parametrize(("backend", "atol"), [("onnx", 2e-5), ("torch-bf16", 1e-2)])
+@pytest.mark.parametrize(("backend", "atol"), [("onnx", 2e-5), ("torch-bf16", 1e-2), ("openvino-int8", 1e-2)])
 def test_length_batching_keeps_each_vector_with_its_text(tmp_path, encoder_cache, sample_texts, backend, atol):
     """Rows come back in input order whatever the batch size and the order of lengths (bfloat16 rounds
-    differently in differently shaped batches, hence its wider tolerance; a row swapped with another
-    would be off by far more)."""
+    differently in differently shaped batches, hence its wider tolerance, also for OpenVINO's int8 path,
+    which runs its unquantized ops in bfloat16; a row swapped with another would be off by far more)."""
     fast = text_encoder_load(config=_config(tmp_path, encoder_cache, backend))
     whole = fast.encode(sample_texts, batch_size=7)
     permutation = np.random.default_rng(0).permutation(len(sample_texts))
@@ -159,8 +159,8 @@ def test_length_batching_keeps_each_vector_with_its_text(tmp_path, encoder_cache
 def test_backends_and_sequence_lengths_name_different_indexes(tmp_path, encoder_cache):
     base = _config(tmp_path, encoder_cache, "torch")
     tags = {encoder_tag(replace(base, encoder_backend=backend, max_seq_length=length))
-            for backend in ("torch", "torch-bf16", "onnx", "onnx-int8") for length in (96, 256)}
-    assert len(tags) == 8
+            for backend in ("torch", "torch-bf16", "onnx", "onnx-int8", "openvino-int8") for length in (96, 256)}
+    assert len(tags) == 10
     with pytest.raises(SemanticSearchError, match="encoder_backend"):
         replace(base, encoder_backend="tensorrt")
 
