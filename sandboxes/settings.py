@@ -25,7 +25,7 @@ RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """What a Docker OCI runtime name may look like (``docker info`` lists the registered ones)."""
 SEMANTIC_SETTING_NAMES = (
     "SEMANTIC_INDEX_ROOT", "SEMANTIC_VECTOR_STORE", "SEMANTIC_BACKGROUND_INDEXING", "SEMANTIC_ENCODER_BACKEND",
-    "SEMANTIC_ENCODER",
+    "SEMANTIC_ENCODER", "SEMANTIC_MAX_SEQ_LENGTH",
 )
 """The semantic search settings (``sandboxes.semantic.config.SemanticSearchConfig.from_environment``)."""
 

@@ -67,16 +67,19 @@ class SemanticSearchConfig:
     """libpq connection string for the pgvector store; defaults to the Django database when PostgreSQL."""
     encode_batch_size: int = 32
     """Chunks encoded per forward pass while indexing."""
-    max_seq_length: int = 128
-    """Word pieces kept per chunk by the encoder; longer chunks are truncated. 128, the length the
-    fine-tuning uses: on the retrieval benchmark it indexes ~2x faster than 256 with recall@5 71.5 vs
-    69.5 for the base encoder (docs/notebook/2026-11-29-issue-53.md). 96 kept the base encoder's recall@5
-    (71.2) and indexed ~1.2x faster, but the fine-tuned encoder was not measured at 96 (2026-12-02)."""
-    encoder_backend: str = "onnx-int8"
-    """``torch`` (sentence-transformers, the reference), ``torch-bf16`` (torch under bfloat16 autocast: 3.96x
-    the reference on this repository's 2-core AMD EPYC against 4.69x for int8, so not the default; it may win
-    on CPUs with AMX tiles, unmeasured here), ``onnx`` (ONNX Runtime, fp32) or ``onnx-int8`` (ONNX Runtime, int8
-    weights); queries and chunks of one index always use the same backend."""
+    max_seq_length: int = 80
+    """Word pieces kept per chunk by the encoder; longer chunks are truncated. 80: on the retrieval benchmark's
+    held-out chunks (median 86 word pieces) the default backend keeps recall@5 / MRR of the base encoder at
+    71.2 / 0.544 and of the fine-tuned one at 74.2 / 0.585 (reference path at 256: 69.5 / 0.541 and
+    74.5 / 0.575) and indexes ~1.13x faster than at 96 (docs/notebook/2026-12-03-issue-53.md); 64 lost 1.7
+    points of the base encoder's recall@5 (2026-12-02). With ``onnx-int8`` set 128
+    (``SEMANTIC_MAX_SEQ_LENGTH``): at 80 its fine-tuned MRR fell 0.9 points (0.566)."""
+    encoder_backend: str = "openvino-int8"
+    """``openvino-int8`` (OpenVINO, statically quantized by NNCF on a fixed calibration set: ~10x the reference
+    on this repository's 2-core AMD EPYC, ``sandboxes/semantic/openvino_encoder.py``), ``onnx-int8`` (ONNX
+    Runtime, dynamic int8: ~4.6x), ``onnx`` (ONNX Runtime, fp32), ``torch-bf16`` (torch under bfloat16
+    autocast: ~4x) or ``torch`` (sentence-transformers, the reference); queries and chunks of one index
+    always use the same backend, and each backend names its own indexes."""
     background_indexing: bool = True
     """Build a snapshot's index in a background thread and answer from BM25 until it is ready
     (False: the first search waits for the index, as the retrieval benchmark and RL tests want). A
@@ -149,4 +152,9 @@ class SemanticSearchConfig:
         encoder = setting("SEMANTIC_ENCODER")
         if encoder:
             kwargs["encoder_path"] = encoder
+        length = setting("SEMANTIC_MAX_SEQ_LENGTH")
+        if length:
+            if not length.strip().isdigit():
+                raise SemanticSearchError(f"SEMANTIC_MAX_SEQ_LENGTH must be a whole number of word pieces, got {length!r}")
+            kwargs["max_seq_length"] = int(length)
         return cls(**kwargs)

@@ -213,10 +213,10 @@ def encode_length_batched(
 
 
 def length_sorted_batches(
-    *, tokenizer: Any, texts: list[str], max_seq_length: int, batch_size: int
+    *, tokenizer: Any, texts: list[str], max_seq_length: int, batch_size: int, width_multiple: int = 1
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(rows, input ids, attention mask) per batch: texts tokenized once, sorted by length, each batch
-    padded to its own longest text only, never to ``max_seq_length``."""
+    padded to its own longest text only (rounded up to ``width_multiple``), never to ``max_seq_length``."""
     if not texts:
         return
     token_ids = tokenizer(
@@ -228,6 +228,7 @@ def length_sorted_batches(
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         width = max(len(token_ids[row]) for row in rows)
+        width = min(-(-width // width_multiple) * width_multiple, max(width, max_seq_length))
         input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
         attention = np.zeros((len(rows), width), dtype=np.int64)
         for position, row in enumerate(rows):

@@ -2,7 +2,7 @@
 
 The eager ONNX export of ``fast_encoder`` (pooling and normalisation included) is read by OpenVINO and
 quantized once per (weights, sequence length, calibration set) with NNCF's post-training quantization
-for transformers (SmoothQuant, mixed preset: symmetric weights, asymmetric activations, fast bias
+for transformers (SmoothQuant, mixed preset: symmetric int8 weights, asymmetric activations, fast bias
 correction), its activation ranges measured on the fixed calibration set of
 ``sandboxes.semantic.calibration``; what NNCF leaves unquantized runs in bfloat16 where the CPU has it.
 Static ranges let OpenVINO chain int8 matrix products (oneDNN's VNNI kernels) without the per-call
@@ -38,11 +38,31 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
 MODEL_FILE = "model.xml"
+RECIPE = "transformer-mixed"
+"""How the model is quantized (NNCF's transformer model type, mixed preset); it names the model and its
+indexes, so a change of recipe can never mix two models' vectors in one index. The performance preset
+(symmetric activations) indexed no faster in the same rounds (266 vs 259 chunks/s) and moved the vectors
+more (cosine min 0.972 vs 0.977), so it was not taken (2026-12-03)."""
+WIDTH_MULTIPLE = 8
+"""Batches pad to a multiple of this many word pieces: OpenVINO reuses the kernels it prepared for a shape it
+has seen, so a search's one-query batches hit (query p50 4.5 ms against 6.4 ms unrounded, 2026-12-03), at no
+measured indexing cost."""
+REQUESTS_PER_STREAM = 2
+"""Requests in flight per stream: with two per stream the 2-core machine indexed 297 chunks/s against 280
+with one (six interleaved rounds, 10.4x vs 10.0x the reference; OpenVINO's own suggestion is one per stream)."""
+ROWS_PER_REQUEST = 16
+"""At most this many texts per inference request: with one request in flight per core, 16 rows indexed at
+least as fast as 32 in every round measured (docs/notebook/2026-12-03-issue-53.md)."""
+
+
+def model_name(max_seq_length: int) -> str:
+    """Names the quantized model: recipe, sequence length (the calibration's truncation) and calibration set."""
+    return f"openvino-int8-{RECIPE}-s{max_seq_length}-c{calibration_digest()}"
 
 
 def openvino_model_path(*, model: SentenceTransformer, cache_dir: Path, max_seq_length: int) -> Path:
     """The quantized model (``model.xml`` + ``model.bin``) under ``cache_dir``, made once across processes."""
-    target = cache_dir / f"openvino-int8-s{max_seq_length}-c{calibration_digest()}"
+    target = cache_dir / model_name(max_seq_length)
     if (target / MODEL_FILE).is_file():
         return target / MODEL_FILE
     exported = onnx_model_path(model=model, cache_dir=cache_dir, backend="onnx", fused=False)
@@ -100,10 +120,12 @@ class OpenVinoTextEncoder:
         return self._dimension
 
     def _requests(self) -> list[Any]:
-        """This thread's requests, one per stream (an index build and a query may encode at once)."""
+        """This thread's requests (an index build and a query may encode at once): ``REQUESTS_PER_STREAM``
+        per stream, so a stream has its next batch queued while this thread copies out the last one."""
         requests = getattr(self._local, "requests", None)
         if requests is None:
-            requests = self._local.requests = [self._compiled.create_infer_request() for _ in range(self._streams)]
+            requests = self._local.requests = [self._compiled.create_infer_request()
+                                               for _ in range(REQUESTS_PER_STREAM * self._streams)]
         return requests
 
     def encode(
@@ -114,7 +136,7 @@ class OpenVinoTextEncoder:
         requests = self._requests()
         pending: deque[tuple[Any, np.ndarray]] = deque()
         batches = length_sorted_batches(tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length,
-                                        batch_size=batch_size)
+                                        batch_size=min(batch_size, ROWS_PER_REQUEST), width_multiple=WIDTH_MULTIPLE)
         for index, (rows, input_ids, attention) in enumerate(batches):
             if len(pending) == len(requests):
                 _collect(pending.popleft(), output, progress)

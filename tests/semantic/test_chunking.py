@@ -103,3 +103,20 @@ def test_environment_selects_encoder_and_store(monkeypatch, settings, tmp_path):
     assert config.encoder_path == str(model)
     assert config.vector_store == "memory"
     assert config.index_root == tmp_path / "sb" / "semantic-index"
+
+
+@pytest.mark.parametrize("value", ["80; rm -rf /", "-5", "1e3", "eighty", "0x50"])
+def test_a_sequence_length_that_is_not_a_whole_number_is_refused(settings, tmp_path, value):
+    settings.SANDBOX_ROOT = str(tmp_path / "sb")
+    settings.SEMANTIC_MAX_SEQ_LENGTH = value
+    with pytest.raises(SemanticSearchError, match="SEMANTIC_MAX_SEQ_LENGTH"):
+        SemanticSearchConfig.from_environment()
+
+
+def test_the_sequence_length_comes_from_the_environment_within_the_encoders_range(settings, tmp_path):
+    settings.SANDBOX_ROOT = str(tmp_path / "sb")
+    settings.SEMANTIC_MAX_SEQ_LENGTH = "128"
+    assert SemanticSearchConfig.from_environment().max_seq_length == 128
+    settings.SEMANTIC_MAX_SEQ_LENGTH = "100000"
+    with pytest.raises(SemanticSearchError, match=r"\[16, 512\]"):
+        SemanticSearchConfig.from_environment()

@@ -31,7 +31,7 @@ def test_the_calibration_set_names_its_indexes(monkeypatch, tmp_path):
     """A host whose standard library gives other calibration texts must not share indexes with this one."""
     config = SemanticSearchConfig(encoder_backend="openvino-int8", encoder_cache_dir=tmp_path)
     before = encoder_tag(config)
-    assert f"-c{calibration.calibration_digest()}-" in before
+    assert before.endswith(f"-s{config.max_seq_length}-c{calibration.calibration_digest()}")
     changed = (*calibration.calibration_texts()[:-1], "another standard library's last line")
     monkeypatch.setattr(calibration, "calibration_texts", lambda count=calibration.CALIBRATION_TEXTS: changed)
     calibration.calibration_digest.cache_clear()
