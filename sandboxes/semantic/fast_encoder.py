@@ -13,6 +13,7 @@ batch pads to its own longest text only, never to ``max_seq_length``.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
 ONNX_BACKENDS = ("onnx", "onnx-int8")
+_TOKENIZER_LOCK = threading.Lock()
 _EXPORT_OPSET = 17
 
 
@@ -219,10 +221,11 @@ def length_sorted_batches(
     padded to its own longest text only (rounded up to ``width_multiple``), never to ``max_seq_length``."""
     if not texts:
         return
-    token_ids = tokenizer(
-        texts, truncation=True, max_length=max_seq_length, add_special_tokens=True,
-        return_attention_mask=False, return_token_type_ids=False,
-    )["input_ids"]
+    with _TOKENIZER_LOCK:  # a fast tokenizer sets its truncation on each call: one caller at a time
+        token_ids = tokenizer(
+            texts, truncation=True, max_length=max_seq_length, add_special_tokens=True,
+            return_attention_mask=False, return_token_type_ids=False,
+        )["input_ids"]
     order = np.argsort([len(ids) for ids in token_ids], kind="stable")
     pad_id = tokenizer.pad_token_id or 0
     for start in range(0, len(order), batch_size):

@@ -8,9 +8,9 @@ correction), its activation ranges measured on the fixed calibration set of
 Static ranges let OpenVINO chain int8 matrix products (oneDNN's VNNI kernels) without the per-call
 quantization of ONNX Runtime's dynamic path, and batches run on one single-threaded stream per core.
 
-Measured on this repository's 2-core AMD EPYC (docs/notebook/2026-12-03-issue-53.md): ~1.6x the ONNX
-Runtime int8 path at the same sequence length, vectors closer to the reference (cosine min 0.994 vs
-0.987 on the tests' sample). ``tests/semantic/test_fast_encoder.py`` bounds its vectors like the other
+Measured on this repository's 2-core AMD EPYC (docs/notebook/2026-12-03-issue-53.md): ~1.5x the ONNX
+Runtime int8 path at the same sequence length, vectors closer to fp32 (cosine min 0.994 vs 0.987 on 256 of
+the benchmark's chunks). ``tests/semantic/test_fast_encoder.py`` bounds its vectors like the other
 int8 path; the retrieval benchmark re-measures recall with it.
 """
 
@@ -51,8 +51,8 @@ REQUESTS_PER_STREAM = 2
 """Requests in flight per stream: with two per stream the 2-core machine indexed 297 chunks/s against 280
 with one (six interleaved rounds, 10.4x vs 10.0x the reference; OpenVINO's own suggestion is one per stream)."""
 ROWS_PER_REQUEST = 16
-"""At most this many texts per inference request: with one request in flight per core, 16 rows indexed at
-least as fast as 32 in every round measured (docs/notebook/2026-12-03-issue-53.md)."""
+"""At most this many texts per inference request: 16 rows indexed at least as fast as 32 in every round
+measured; 8 and 24 were within noise of 16 (docs/notebook/2026-12-03-issue-53.md)."""
 
 
 def model_name(max_seq_length: int) -> str:
@@ -137,14 +137,18 @@ class OpenVinoTextEncoder:
         pending: deque[tuple[Any, np.ndarray]] = deque()
         batches = length_sorted_batches(tokenizer=self._tokenizer, texts=texts, max_seq_length=self._max_seq_length,
                                         batch_size=min(batch_size, ROWS_PER_REQUEST), width_multiple=WIDTH_MULTIPLE)
-        for index, (rows, input_ids, attention) in enumerate(batches):
-            if len(pending) == len(requests):
+        try:
+            for index, (rows, input_ids, attention) in enumerate(batches):
+                if len(pending) == len(requests):
+                    _collect(pending.popleft(), output, progress)
+                request = requests[index % len(requests)]
+                request.start_async({"input_ids": input_ids, "attention_mask": attention})
+                pending.append((request, rows))
+            while pending:
                 _collect(pending.popleft(), output, progress)
-            request = requests[index % len(requests)]
-            request.start_async({"input_ids": input_ids, "attention_mask": attention})
-            pending.append((request, rows))
-        while pending:
-            _collect(pending.popleft(), output, progress)
+        finally:
+            for request, _ in pending:  # interrupted (a progress callback raised): leave no request busy
+                request.wait()
         return output
 
 

@@ -106,6 +106,23 @@ def test_threads_encoding_at_once_get_their_own_vectors(tmp_path, encoder_cache)
     np.testing.assert_allclose(results["queries"], alone[1], atol=1e-5)
 
 
+def test_an_encode_interrupted_by_its_progress_callback_leaves_the_encoder_usable(tmp_path, encoder_cache):
+    """A cancelled build stops from its progress callback; requests still in flight must not stay busy."""
+    config = SemanticSearchConfig(index_root=tmp_path / "index", vector_store="memory",
+                                  encoder_cache_dir=encoder_cache, encoder_backend="openvino-int8")
+    encoder = text_encoder_load(config=config)
+    texts = [f"def function_{number}(value):\n    return value + {number}" for number in range(80)]
+
+    def cancel(_: int) -> None:
+        raise InterruptedError("build cancelled")
+
+    with pytest.raises(InterruptedError):
+        encoder.encode(texts, batch_size=4, progress=cancel)
+    again = encoder.encode(texts, batch_size=4)
+    np.testing.assert_allclose(np.linalg.norm(again, axis=1), 1.0, atol=1e-4)
+    np.testing.assert_allclose(again[:3], encoder.encode(texts[:3], batch_size=1), atol=1e-2)
+
+
 def test_unknown_backends_are_refused_with_the_choices():
     with pytest.raises(SemanticSearchError, match="openvino-int8"):
         SemanticSearchConfig(encoder_backend="openvino")
