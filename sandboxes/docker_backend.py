@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -59,6 +60,33 @@ LABEL = "flowstate.sandbox"
 MNT_DETACH = 0x2
 RUNC_START_FAILURE = "OCI runtime exec failed"
 _libc = ctypes.CDLL(None, use_errno=True)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+
+def _exec_frames(stream: Any) -> Iterator[tuple[int, bytes]]:
+    """(stream id, bytes) frames of a non-TTY ``docker exec`` stream, read through the HTTP response's
+    buffered reader. docker-py's own reader (``frames_iter``) reads the raw socket beneath that buffer,
+    so output that arrived together with the response headers was lost and the frames after it misread
+    (a stderr frame's header showed up in stdout on a loaded machine)."""
+    from docker.utils.socket import frames_iter
+
+    try:
+        reader = stream._response.raw._fp.fp
+    except AttributeError:  # a transport docker-py reads otherwise: its own reader
+        yield from frames_iter(stream, tty=False)
+        return
+    while True:
+        header = reader.read(8)
+        if len(header) < 8:
+            return
+        length = int.from_bytes(header[4:8], "big")
+        payload = reader.read(length) if length else b""
+        if payload:
+            yield header[0], payload
+        if len(payload) < length:
+            return
 
 
 @dataclass(frozen=True)
@@ -416,7 +444,6 @@ class DockerBackend(CoreBackend):
 
     def _exec_once(self, container_id: str, command: str, timeout_s: float) -> ExecResult:
         from docker.errors import APIError, NotFound
-        from docker.utils.socket import frames_iter
 
         started = time.monotonic()
         api = self._client.api
@@ -434,7 +461,7 @@ class DockerBackend(CoreBackend):
 
         def pump() -> None:
             with contextlib.suppress(OSError, ValueError):
-                for stream_id, data in frames_iter(stream, tty=False):
+                for stream_id, data in _exec_frames(stream):
                     buffers[2 if stream_id == 2 else 1].add(data)
 
         reader = threading.Thread(target=pump, name="sandbox-exec-output", daemon=True)

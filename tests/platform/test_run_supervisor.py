@@ -19,6 +19,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -90,11 +92,28 @@ def _assert_clean_stop(run, how: str) -> float:
     return seconds
 
 
+def _dead_within(pid: int, *, seconds: float) -> bool:
+    """``pid`` has exited: gone, or a zombie its parent (init, for an orphan) has not reaped yet; a
+    loaded machine's init can take a moment to reap what the supervisor killed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                         if line.startswith("State:"))
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if "Z" in state.split()[1]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def test_one_sigint_stops_every_process(started):
     run = started()
     orphan = spawn_marked_orphan(run)
     _assert_clean_stop(run, "sigint")
-    assert not os.path.exists(f"/proc/{orphan}")
+    assert _dead_within(orphan, seconds=10), f"the orphan {orphan} still runs after the stop"
 
 
 def test_a_second_start_is_refused_and_sigterm_to_the_process_group_stops_every_process(started, checkout):
@@ -131,7 +150,7 @@ def test_after_kill_9_of_the_supervisor_the_next_start_removes_what_is_left(star
     restarted = started()
     # Both runs share the state directory, so the old run's processes are the survivors seen
     # above and anything still in its process groups.
-    still = [line for pid, line in survivors.items() if os.path.exists(f"/proc/{pid}")]
+    still = [line for pid, line in survivors.items() if not _dead_within(pid, seconds=10)]
     still += [line for line in crashed.leftovers() if _pgid(int(line.split()[0])) in crashed_groups]
     assert not still, "\n".join(still)
     assert "processes a previous run of" in restarted.log()

@@ -217,12 +217,16 @@ def test_rootless_mode_works_for_an_unprivileged_user(tmp_path):
     try:
         (work / "repo").mkdir()
         (work / "repo" / "a.txt").write_text("a\n")
+        # The user's own copy of the code: the checkout may sit in a directory only root can enter
+        # (a clone under /root or a 700 temp dir), which an unprivileged user could not import from.
+        shutil.copytree(REPO_ROOT / "sandboxes", work / "code" / "sandboxes",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         os.chown(work, 65534, 65534)
         for path in work.rglob("*"):
             os.chown(path, 65534, 65534)
         result = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-             ROOTLESS_SCRIPT, str(REPO_ROOT), str(work), str(work / "repo")],
+             ROOTLESS_SCRIPT, str(work / "code"), str(work), str(work / "repo")],
             capture_output=True, text=True, timeout=120, check=False, cwd="/tmp",
             env={"PATH": "/usr/bin:/bin", "HOME": str(work)},
         )
