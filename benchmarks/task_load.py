@@ -11,6 +11,7 @@ own Django settings (a pytest database) do not matter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -247,6 +248,9 @@ class Stack:
         raise TimeoutError(f"tasks not terminal after {timeout}s: {self.statuses(address)}")
 
     def stop(self) -> None:
+        """Stops every process started, and what they started: a prefork worker killed after its grace
+        time leaves its pool children (and their sandboxes' holders) running, parented to init."""
+        descendants = set().union(*(process_tree(proc.pid) for proc in self.processes if proc.poll() is None))
         for proc in self.processes:
             if proc.poll() is None:
                 proc.terminate()
@@ -256,6 +260,10 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        for pid in sorted(descendants):
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def exactly_once_problems(rows: list[dict], expect_ids: list[int], *, allow_retry: bool = False) -> list[str]:
