@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from sandboxes.semantic.config import default_encoder_path
-from sandboxes.semantic.encoder import TorchTextEncoder, encoder_fingerprint, load_encoder
+from sandboxes.semantic.config import SemanticSearchConfig, default_encoder_path
+from sandboxes.semantic.encoder import TorchTextEncoder, encoder_fingerprint, load_encoder, text_encoder_load
 from training.embeddings.evaluation import held_out_files, retrieval_set_build
 
 REFERENCE = "torch:256:32"
@@ -50,11 +50,10 @@ def _variant(spec: str, *, path: str, cache: Path, threads: int):
         from sandboxes.semantic.bf16_encoder import TorchBf16TextEncoder
 
         return TorchBf16TextEncoder(model=model, max_seq_length=int(length)), int(batch)
-    if backend == "openvino-int8":
-        from sandboxes.semantic.openvino_encoder import OpenVinoTextEncoder, openvino_model_path
-
-        xml = openvino_model_path(model=model, cache_dir=cache / encoder_fingerprint(path), max_seq_length=int(length))
-        return OpenVinoTextEncoder(model=model, model_path=xml, max_seq_length=int(length), threads=threads), int(batch)
+    if backend == "openvino-int8":  # no flags: the index's own loader (torch's thread count, set in main)
+        config = SemanticSearchConfig(encoder_path=path, encoder_backend=backend, max_seq_length=int(length),
+                                      encoder_cache_dir=cache, vector_store="memory")
+        return text_encoder_load(config=config), int(batch)
     from sandboxes.semantic.fast_encoder import OnnxTextEncoder, onnx_model_path
 
     onnx_path = onnx_model_path(model=model, cache_dir=cache / encoder_fingerprint(path), backend=backend,

@@ -131,11 +131,11 @@ _TEXT_ENCODERS: dict[tuple[str, int, str, str], TextEncoder] = {}
 
 def encoder_tag(config: SemanticSearchConfig) -> str:
     """Names the vectors an encoder makes: weights, backend and sequence length (an index never mixes two)."""
-    graph = "-fused" if config.encoder_backend.startswith("onnx") else ""  # ONNX graphs since the fused export
     if config.encoder_backend == "openvino-int8":  # statically quantized: named by recipe and calibration set
         from sandboxes.semantic.openvino_encoder import model_name
 
         return f"{encoder_fingerprint(config.encoder_path)}-{model_name(config.max_seq_length)}"
+    graph = "-fused" if config.encoder_backend.startswith("onnx") else ""  # ONNX graphs since the fused export
     return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}{graph}-s{config.max_seq_length}"
 
 
