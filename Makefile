@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 VENDOR := static/vendor/.built
 
-.PHONY: run test test-all bench install static kernels lint clean
+.PHONY: run test test-all bench install static kernels lint clean gvisor
 
 $(INSTALLED): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,9 +42,15 @@ test-all: static
 bench: static
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
+# gVisor for the Docker backend (SANDBOX_DOCKER_RUNTIME=runsc): Debian trixie's runsc on this machine,
+# registered with dockerd (root; idempotent; nothing else comes from trixie), see scripts/install_runsc.sh.
+gvisor:
+	scripts/install_runsc.sh
+
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check webapp training sandboxes kernels tests benchmarks scripts
 	$(VENV)/bin/mypy webapp sandboxes
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var
