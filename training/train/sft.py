@@ -176,13 +176,6 @@ def load_jsonl_trajectories(path: str | Path) -> list[list[dict]]:
     return trajectories
 
 
-def load_database_trajectories(limit: int) -> list[list[dict]]:
-    """Recorded successful trajectories (needs Django set up, e.g. under manage.py)."""
-    from webapp.agents.selectors import trajectories_for_sft
-
-    return trajectories_for_sft(limit=limit)
-
-
 def load_expert_trajectories(*, count: int, seed_start: int, backend_name: str | None) -> list[list[dict]]:
     from sandboxes import get_backend
     from training.tasks.toy import generate_toy_task, toy_task_seeds
@@ -195,10 +188,19 @@ def load_expert_trajectories(*, count: int, seed_start: int, backend_name: str |
     ]
 
 
-def collect_trajectories(config: SFTConfig) -> list[list[dict]]:
+DatabaseTrajectories = Callable[[int], list[list[dict]]]
+"""Reads up to N recorded successful trajectories; the web app passes its selector in, since training
+sits below the web app and never imports it."""
+
+
+def collect_trajectories(
+    config: SFTConfig, *, database_trajectories: DatabaseTrajectories | None = None
+) -> list[list[dict]]:
     trajectories: list[list[dict]] = []
     if config.database_limit:
-        trajectories += load_database_trajectories(config.database_limit)
+        if database_trajectories is None:
+            raise TrainConfigError("database_limit needs a source of recorded trajectories (run it through manage.py sft).")
+        trajectories += database_trajectories(config.database_limit)
     for path in config.jsonl_files:
         trajectories += load_jsonl_trajectories(path)
     if config.expert_tasks:
@@ -215,6 +217,7 @@ def sft(
     *,
     context: DistributedContext | None = None,
     trajectories: list[list[dict]] | None = None,
+    database_trajectories: DatabaseTrajectories | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Run (or resume) SFT; `trajectories` overrides the configured sources (already collected)."""
@@ -233,7 +236,8 @@ def sft(
         model_config = ModelConfig.named(config.model, max_seq_len=config.max_seq_len)
         tokenizer = default_tokenizer(model_config.vocab_size)
     # 2. Trajectories -> token ids with an assistant-only loss mask.
-    trajectories = trajectories if trajectories is not None else collect_trajectories(config)
+    if trajectories is None:
+        trajectories = collect_trajectories(config, database_trajectories=database_trajectories)
     tools = openai_tool_schemas()
     examples = [
         _tokenize(messages=messages, tools=tools, tokenizer=tokenizer, context_loss=config.context_loss)

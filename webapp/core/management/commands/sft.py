@@ -7,6 +7,7 @@ from training.train.distributed import init_distributed, shutdown_distributed
 from training.train.loop import TrainConfigError
 from training.train.scripted_expert import ExpertTrajectoryError
 from training.train.sft import SFTConfig, sft
+from webapp.agents.selectors import trajectories_for_sft
 
 
 class Command(BaseCommand):
@@ -45,7 +46,12 @@ class Command(BaseCommand):
                 context_loss=options["context_loss"],
                 loop=loop_config_from_options(options, world_size=context.world_size),
             )
-            result = sft(config, context=context, on_step=print_step(self.stdout.write) if context.is_main else None)
+            result = sft(
+                config,
+                context=context,
+                database_trajectories=lambda limit: trajectories_for_sft(limit=limit),
+                on_step=print_step(self.stdout.write) if context.is_main else None,
+            )
             completed = True
         except (TrainConfigError, ExpertTrajectoryError, ValueError, FileNotFoundError) as error:
             raise CommandError(str(error)) from error
