@@ -159,8 +159,8 @@ def grouped_gemm_launch(
     """Shared launcher. b_data is [E, K, N] (``b_transposed``: [E, N, K], reduction along its last dim).
 
     block_m / block_n: output tile; num_warps / num_stages: Triton launch options (pipelining depth).
-    Left at None they take the fastest of a sweep on an H100 (docs/notebook/kernels.md, stop 15), which
-    differs by the layout of b: FP8 tensor cores (wgmma) take only K-major operands, so with b [E, K, N]
+    Left at None they take the fastest tiles of a sweep on Hopper (docs/notebook/kernels.md), which
+    differ by the layout of b: FP8 tensor cores (wgmma) take only K-major operands, so with b [E, K, N]
     (N contiguous) Triton falls back to slower instructions and prefers other tiles.
     """
     default_tile = (64, 128, 4) if b_transposed else (128, 64, 3)

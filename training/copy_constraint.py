@@ -27,7 +27,7 @@ from, and returns the masks (GenerationResult.sampling_masks). The RL learner ap
 before its log-softmax, so the policy it trains is the constrained policy that was sampled (importance
 ratio 1 on-policy): a forced token (one allowed) carries no gradient, and where several continuations
 were allowed (which line to copy) the gradient only moves mass among them. Recording the unconstrained
-logprob instead (stop 36) trained every forced copy token as if the model had chosen it.
+logprob instead would train every forced copy token as if the model had chosen it.
 """
 
 from __future__ import annotations

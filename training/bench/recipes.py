@@ -1,6 +1,6 @@
-"""Three ways to spend the same CPU time on a fine-tuned policy (issue 50), from one starting checkpoint.
+"""Three ways to spend the same CPU time on a fine-tuned policy, from one starting checkpoint.
 
-- ``rl``: the documented asynchronous GRPO recipe (training.rollout.driver.run_async_rl with the run-56
+- ``rl``: the documented asynchronous GRPO recipe (training.rollout.driver.run_async_rl with the
   settings of models/demo/README.md), its clock set to the budget.
 - ``expert-sft``: rounds of (generate fresh scripted-expert trajectories in real sandboxes, then SFT on
   every trajectory generated so far, training.train.sft.sft), from the previous round's checkpoint.
@@ -55,8 +55,8 @@ class RecipeConfig:
     """Checkpoints kept at even fractions of the budget, evaluated for the pass@1-against-minutes curve."""
 
     sft_lr: float = 1e-4
-    """lr of the SFT rounds after the warmup, held constant. models/sft's last SFT (stop 19) decayed from 5e-4
-    to 5e-5; restarting at its peak undid ~20 points of held-out pass@1 in the 3-minute smoke run."""
+    """lr of the SFT rounds after the warmup, held constant. Kept well below the starting checkpoint's peak
+    SFT lr: restarting a fine-tuned policy at its peak lr undoes much of what it learned."""
 
     sft_warmup_steps: int = 10
     """Linear lr warmup of the recipe's SFT (once: later rounds resume its optimizer)."""

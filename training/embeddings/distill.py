@@ -1,4 +1,4 @@
-"""Distil the search encoder into fewer layers: a faster index build for a measured loss of recall (issue 53).
+"""Distil the search encoder into fewer layers: a faster index build for a measured loss of recall.
 
 The student starts as the teacher with only ``layers`` kept (teacher indices: the first and the last
 layer matter most; dropping layers without training loses ~15 points of recall@5) and learns to
@@ -85,7 +85,7 @@ class EncoderDistillConfig:
     """A student directory to continue from (same layers), instead of the teacher's layers."""
     max_seq_length: int = 128
     """Word pieces per text for teacher and student alike: the index's default length, at which the student
-    will be used (the students of docs/notebook/2026-12-02-issue-53.md were made and measured at 96)."""
+    will be used."""
     seed: int = 0
     """Seeds sampling, batching and torch."""
     torch_threads: int = 2

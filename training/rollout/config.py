@@ -154,9 +154,8 @@ class AsyncRLConfig:
     """A failed rollout scores this weight times its closest edit_file call's similarity to the task's
     reference fix (SWE-RL-style shaping, training.tasks.reward.RewardConfig.reference_similarity_weight):
     groups where every rollout failed then still train, towards the near-misses. 0 keeps rewards test-only;
-    must be below 1 so a pass always scores highest. Held-out evaluation never uses it. On the toy tier's
-    1.1M-parameter policy 0.3 cost 6 points of held-out pass@1 (docs/notebook/rl-learning-stops-28-42.md,
-    stop 35): the all-fail groups it trains sharpen failing edits."""
+    must be below 1 so a pass always scores highest. Held-out evaluation never uses it. It can cost
+    held-out pass@1: the all-fail groups it trains sharpen failing edits (measurements in docs/notebook/)."""
     copy_constraint: bool = True
     """The inference actors let edit_file's old_str be only text of the conversation's tool results
     (training.copy_constraint), exactly as the product serves the model; False samples it freely."""

@@ -135,29 +135,26 @@ class GRPOConfig:
     """Multiplier on negative advantages. 1 is GRPO. 0 trains only on rollouts that beat their group's
     mean (a RAFT-style filtered policy gradient): every update then only raises the likelihood of
     rollouts that passed, so the noise of pushing down failed rollouts (whose tokens are mostly the same
-    as the successful ones') is gone. On the tiny toy-tier policy it held lr 5e-5, where GRPO degraded,
-    but collapsed at 3e-4 (docs/notebook/rl-learning-stops-14-27.md, stop 16). Values in between
-    down-weight failures."""
+    as the successful ones') is gone. It tolerates a higher lr than GRPO before degrading,
+    but collapses at high ones too (measurements in docs/notebook/). Values in between down-weight
+    failures."""
 
     entropy_coef: float = 0.0
     """Weight of the mean token entropy subtracted from the loss. 0 leaves it out; > 0 rewards entropy
     (keeps the policy exploring); < 0 penalises it, sharpening sampled decoding towards the policy's
-    modes. The entropy is concentrated on the few uncertain tokens of a rollout (a mean of ~0.03 nats on
-    the toy tier), so moving it takes weights of 0.1-0.5, comparable to a typical |advantage|; at -0.5 it
-    sharpened the policy clearly within an hour (docs/notebook/rl-learning-stops-14-27.md, stop 23)."""
+    modes. The entropy is concentrated on the few uncertain tokens of a rollout, so its mean is small and
+    moving it takes weights of 0.1-0.5, comparable to a typical |advantage|."""
 
     entropy_scope: EntropyScope = "all"
     """Which trained rollouts the entropy term covers. "all": every one. "positive": only rollouts that beat
     their group's mean, so entropy minimisation sharpens the policy where its choices were right instead of
-    also locking in the wrong ones (at "all", -0.5 turned 10 held-out tasks to 0 of 4;
-    docs/notebook/rl-learning-stops-14-27.md, stop 23)."""
+    also locking in the wrong ones."""
 
     kl_coef: float = 0.0
     """Weight of the per-token KL penalty to the reference policy (the run's starting checkpoint). 0 leaves it
     out and needs no reference model; > 0 pulls the policy back towards its start, meant to keep what the
     starting policy could already do, at the price of one more forward pass per update. GRPO (Shao et al.,
-    2024) used 0.04; on the toy tier 0.1 changed nothing measurable (docs/notebook/rl-learning-stops-28-42.md,
-    stop 30)."""
+    2024) used 0.04."""
 
     def __post_init__(self) -> None:
         if isinstance(self.length_penalty, dict):

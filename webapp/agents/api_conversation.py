@@ -1,4 +1,4 @@
-"""REST API of follow-ups, branches, bundles and push credentials (issue 46).
+"""REST API of follow-ups, branches, bundles and push credentials.
 
 Reading follows the task: its owner and teammates see follow-ups and the branch. Changing is the
 owner's: a teammate or outsider who sends a follow-up, creates a branch or sets credentials gets 404,

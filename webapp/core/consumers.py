@@ -9,8 +9,8 @@ class DirectDispatchMixin:
 
     Channels' default ``dispatch`` runs ``close_old_connections()`` through ``sync_to_async`` before
     every message: one hop onto the single thread-sensitive worker thread per viewer per event, so
-    500 viewers of one task queued 500 hops behind each other for every event (docs/notebook/events.md,
-    stop 12). ``database_sync_to_async`` closes stale connections itself, so the hop buys nothing here.
+    N viewers of one task queue N hops behind each other for every event (docs/notebook/events.md).
+    ``database_sync_to_async`` closes stale connections itself, so the hop buys nothing here.
     """
 
     async def dispatch(self, message):

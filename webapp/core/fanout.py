@@ -3,7 +3,7 @@
 Through Channels' own path each viewer of a group gets the group message on its own channel: one
 deserialisation, one queue and several task wake-ups (``await_many_dispatch`` waits on a fresh task
 per message) per viewer per message. With hundreds of viewers of one task that is the larger part of
-the server's cost of an event (docs/notebook/events.md, stop 14). Here the group is joined once per
+the server's cost of an event (docs/notebook/events.md). Here the group is joined once per
 event loop through the ordinary channel-layer API (``new_channel``, ``group_add``, ``receive``),
 each message is read once and handed to every member's ``offer(message)``, a plain call that must
 not block: members queue the message for their own task and so keep their own pace.
