@@ -27,6 +27,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from training.agent.config import AgentLimits
+from webapp.accounts.limits import active_tasks_check, upload_allowance
 from webapp.agents.archives import (  # noqa: F401  (importable from here, as before the split)
     ARCHIVE_SUFFIXES,
     MAX_ARCHIVE_MEMBERS,
@@ -98,7 +99,8 @@ def repository_create(
     elif kind == Repository.Kind.ARCHIVE:
         if archive is None:
             raise ValidationError({"archive": "upload an archive for an archive repository"})
-        location = str(archive_store(upload=archive))
+        with upload_allowance(user=owner, size=archive.size):
+            location = str(archive_store(upload=archive))
     elif kind == Repository.Kind.PATH:
         if not (allow_server_path or owner.is_staff):
             raise ValidationError({"kind": "only staff may register directories on the server"})
@@ -187,13 +189,15 @@ def task_create(
 
         model_name, base_url, api_key = SCRIPTED_MODEL_NAME, "", ""
 
+    active_tasks_check(user=owner)  # locks the owner's row: concurrent submissions take turns at the cap
     if repository is not None:
         kind, location, ref, label = repository.kind, repository.location, repository.ref, repository.name
     elif git_url:
         kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref_check(ref=git_ref)
         label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
     elif archive is not None:
-        kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
+        with upload_allowance(user=owner, size=archive.size):
+            kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
     else:
         raise ValidationError({"repository": "give a repository, a git URL or an archive"})
 
