@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sandboxes import netguard
 from sandboxes.base import SnapshotError
 from sandboxes.extract_server import unprivileged_prefix
 from sandboxes.settings import current as current_settings
@@ -34,8 +35,6 @@ DEFAULT_PORTS = {"http": 80, "https": 443, "git": 9418}
 GIT_MEMORY_BYTES = 2 * 1024 * 1024 * 1024
 GIT_CPU_SECONDS = 600
 _HEX_SHA = re.compile(r"^[0-9a-fA-F]{7,64}$")
-_METADATA = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"),
-             ipaddress.ip_address("100.100.100.200")}
 
 
 class GitSourceRejected(SnapshotError):
@@ -74,11 +73,8 @@ def check_ref(ref: str) -> str:
 
 
 def _is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return not (address in _METADATA or address.is_loopback or address.is_private or address.is_link_local
-                or address.is_multicast or address.is_reserved or address.is_unspecified
-                or not address.is_global)
+    # One table of refused ranges for git and for networked sandboxes' egress firewall.
+    return netguard.is_public(address)
 
 
 def check_url(url: str, *, hosts_allowed: frozenset[str] | None = None,

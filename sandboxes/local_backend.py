@@ -17,7 +17,9 @@ commands run as namespace-root with every capability dropped and ``no_new_privs`
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
+import logging
 import os
 import secrets
 import select
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
-from sandboxes import extract_server, paths, proc
+from sandboxes import extract_server, netguard, paths, proc
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import (
     COMMAND_ENV,
@@ -55,6 +57,7 @@ HOLDER_SCRIPT = Path(__file__).with_name("_holder.py")
 AGENT_UID_INSIDE = 1000
 SLIRP_DNS = "10.0.2.3"
 """The DNS forwarder slirp4netns provides inside a networked sandbox."""
+logger = logging.getLogger(__name__)
 
 
 def default_sandbox_root() -> Path:
@@ -98,6 +101,10 @@ class LocalBackendConfig:
     use_cgroups: bool = True
     """Also cap each whole sandbox with v1 memory (memory_mb + disk_mb) and pids cgroups when the host
     allows it (root with cgroup v1 memory/pids); rlimits apply either way."""
+    network_unguarded: bool = False
+    """Let network=True sandboxes run without their egress firewall when it cannot be installed (no
+    nft on the host): their commands then reach every address the host reaches (the host's own
+    services on non-loopback addresses, the LAN, cloud metadata). Off: such sandboxes are refused."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.uid_base <= 2**32 - 65536 - 1:
@@ -325,7 +332,11 @@ class LocalBackend(CoreBackend):
         try:
             start_time = proc.start_time(pid)
             workspace_fd = os.open(f"/proc/{pid}/root{WORKSPACE_DIR}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            network = self._network_attach(pid, sandbox_dir / "network.log") if limits.network else None
+            network = None
+            if limits.network:
+                # The firewall is in place before slirp4netns gives the namespace a route out.
+                self._egress_guard(sandbox_id, pid)
+                network = self._network_attach(pid, sandbox_dir / "network.log")
             cgroup = None
             if self.config.use_cgroups:
                 cgroup = SandboxCgroup.create(
@@ -339,6 +350,18 @@ class LocalBackend(CoreBackend):
                 os.kill(pid, signal.SIGKILL)
             raise
         return _Holder(pid, start_time, workspace_fd, network, cgroup)
+
+    def _egress_guard(self, sandbox_id: str, pid: int) -> None:
+        """Hold the namespace's egress to public addresses that are not the host's (``sandboxes.netguard``)."""
+        try:
+            netguard.install(pid, dns=[ipaddress.ip_address(SLIRP_DNS)], enter_user_namespace=self.rootless)
+        except netguard.EgressGuardUnavailable as exc:
+            if not self.config.network_unguarded:
+                raise BackendUnavailable(
+                    f"SandboxLimits.network=True is refused: {exc} (without the firewall the sandbox would reach "
+                    "the host's services and internal networks; LocalBackendConfig.network_unguarded allows "
+                    "that explicitly)") from exc
+            logger.warning("sandbox %s has network without its egress firewall: %s", sandbox_id, exc)
 
     def _network_attach(self, pid: int, log_path: Path) -> subprocess.Popen[bytes]:
         """User-mode NAT (slirp4netns) into the sandbox's network namespace, host loopback excluded."""
