@@ -11,7 +11,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from training.engine import (
     TokenEvent,
 )
 from training.model.transformer import MoETransformer
+from training.serving_scheduler import FairAdmission
 from training.token_bytes import TokenBytes
 from training.tokenizer import TOOL_CALLS_START, BPETokenizer
 
@@ -137,6 +138,8 @@ class _Submission:
     request_id: int | None = None
     index: int = 0
     """The choice this request is; its events go to `events` as (index, event or error)."""
+    owner: Hashable = None
+    """Whose request this is: batch slots are shared out fairly between owners (training.serving_scheduler)."""
 
 
 @dataclass
@@ -162,6 +165,7 @@ class ChatModel:
         name: str = "flowstate",
         engine_config: EngineConfig | None = None,
         copy_constraint: bool = True,
+        reserved_slots: int = 0,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -171,6 +175,10 @@ class ChatModel:
         self._copy_vocabulary: CopyVocabulary | None = None
         self._token_bytes: TokenBytes | None = None
         self.engine = GenerationEngine(model, config=engine_config)
+        self.scheduler: FairAdmission[_Submission] = FairAdmission(self.engine.config.max_batch_size,
+                                                                   reserved_slots=reserved_slots)
+        """Which owner's waiting request enters the engine's batch next; its reserved_slots (batch slots kept
+        for owners holding none) may be changed from any thread."""
         self._inbox: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name=f"chat-model-{name}", daemon=True)
         self._closed = False
@@ -224,6 +232,7 @@ class ChatModel:
         top_p: float = 1.0,
         seed: int | None = None,
         timeout_s: float | None = None,
+        owner: Hashable = None,
     ) -> ChatCompletion:
         """Generate one assistant turn (blocks until it is finished)."""
         final = None
@@ -235,6 +244,7 @@ class ChatModel:
             top_p=top_p,
             seed=seed,
             timeout_s=timeout_s,
+            owner=owner,
         ):
             if isinstance(item, ChatCompletion):
                 final = item
@@ -250,6 +260,7 @@ class ChatModel:
         top_p: float = 1.0,
         seed: int | None = None,
         timeout_s: float | None = None,
+        owner: Hashable = None,
     ) -> Iterator[str | ChatCompletion]:
         """Yield assistant text deltas as they are generated, then the final ChatCompletion.
 
@@ -257,7 +268,8 @@ class ChatModel:
         iterator early cancels the request and frees its batch slot.
         """
         for item in self.stream_choices(messages=messages, tools=tools, max_tokens=max_tokens,
-                                        temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s):
+                                        temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s,
+                                        owner=owner):
             if isinstance(item, ChatCompletion):
                 yield item
             elif item.text:
@@ -275,11 +287,13 @@ class ChatModel:
         seed: int | None = None,
         top_logprobs: int = 0,
         timeout_s: float | None = None,
+        owner: Hashable = None,
     ) -> Iterator[ChatDelta | ChatCompletion]:
         """Generate n independent completions of one prompt together (continuous batching), yielding each
         choice's ChatDelta as it grows and its ChatCompletion when it finishes, interleaved; choice i is
         seeded choice_seed(seed, i). top_logprobs: alternatives per token (0..MAX_TOP_LOGPROBS). Closing the
-        iterator early cancels every unfinished choice."""
+        iterator early cancels every unfinished choice. owner: whose request it is (any hashable, None for an
+        in-process caller); the worker shares batch slots out fairly between owners."""
         if self._closed:
             raise ServingError(f"ChatModel {self.name!r} is closed.")
         if not 1 <= n <= MAX_CHOICES:
@@ -296,7 +310,7 @@ class ChatModel:
             max_tokens=min(max_tokens, room) if max_tokens else room, temperature=temperature, top_p=top_p,
             seed=choice_seed(seed, index), stop_token_ids=self._stop_token_ids(), top_logprobs=top_logprobs,
             constraint=self._copy_constraint(messages) if tools and self.copy_constraint else None,
-        ), events, index=index) for index in range(n)]
+        ), events, index=index, owner=owner) for index in range(n)]
         for submission in submissions:
             self._inbox.put(submission)
         unfinished = set(range(n))
@@ -451,6 +465,7 @@ class ChatModel:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     message = None
+            self._admit(by_request)
             if not self.engine.has_unfinished():
                 continue
             self._step(by_request)
@@ -466,16 +481,25 @@ class ChatModel:
             self._apply_weights(message)
         elif isinstance(message, tuple) and message[0] is _CANCEL:
             submission = message[1]
-            if submission.request_id is not None:
+            if submission.request_id is None:
+                self.scheduler.discard(submission.owner, submission)
+            else:
                 self.engine.cancel(submission.request_id)
-                by_request.pop(submission.request_id, None)
+                if by_request.pop(submission.request_id, None) is not None:
+                    self.scheduler.released(submission.owner)
         else:
-            try:
-                message.request_id = self.engine.add_request(message.prompt_ids, message.params)
-                by_request[message.request_id] = message
-            except Exception as error:  # noqa: BLE001 - the caller gets its own request's error
-                message.events.put((message.index, error))
+            self.scheduler.add(message.owner, message)
         return True
+
+    def _admit(self, by_request: dict[int, _Submission]) -> None:
+        """Hand the engine the waiting requests the scheduler picks for its free slots."""
+        for owner, submission in self.scheduler.admit():
+            try:
+                submission.request_id = self.engine.add_request(submission.prompt_ids, submission.params)
+                by_request[submission.request_id] = submission
+            except Exception as error:  # noqa: BLE001 - the caller gets its own request's error
+                self.scheduler.released(owner)
+                submission.events.put((submission.index, error))
 
     def _step(self, by_request: dict[int, _Submission]) -> None:
         """One engine step: its events go to their callers, finished requests leave ``by_request``."""
@@ -485,13 +509,14 @@ class ChatModel:
             for request_id in list(by_request):
                 self.engine.cancel(request_id)
             self._fail_all(by_request, ServingError(f"Generation failed: {error!r}"))
+            self.scheduler.release_all()
             return
         for event in events:
             submission = by_request.get(event.request_id)
             if submission is not None:
                 submission.events.put((submission.index, event))
-            if event.result is not None:
-                by_request.pop(event.request_id, None)
+            if event.result is not None and by_request.pop(event.request_id, None) is not None:
+                self.scheduler.released(submission.owner)
 
     def _apply_weights(self, update: _WeightUpdate) -> None:
         try:
@@ -503,6 +528,8 @@ class ChatModel:
         update.done.set()
 
     def _fail_queued(self, error: Exception) -> None:
+        for submission in self.scheduler.drain():
+            submission.events.put((submission.index, error))
         while True:
             try:
                 message = self._inbox.get_nowait()

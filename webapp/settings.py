@@ -257,6 +257,21 @@ EXPERIMENT_MAX_STEPS = env_int("EXPERIMENT_MAX_STEPS", 1_000_000, minimum=1, max
 EXPERIMENT_MAX_WORKERS = env_int("EXPERIMENT_MAX_WORKERS", 1024, minimum=1)
 API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1)
 API_MAX_OFFSET = env_int("API_MAX_OFFSET", 1_000_000_000, minimum=0, maximum=2**62)
+# Per-user limits (webapp.accounts.limits), so one account cannot crowd out the others: over one, the
+# request is refused with 429, a Retry-After header and the limit's name; nothing already queued is lost.
+USER_MAX_ACTIVE_TASKS = env_int("FLOWSTATE_USER_MAX_ACTIVE_TASKS", 8, minimum=1)
+TASK_MAX_PENDING_FOLLOWUPS = env_int("FLOWSTATE_TASK_MAX_PENDING_FOLLOWUPS", 5, minimum=1)
+USER_MAX_V1_CONCURRENT = env_int("FLOWSTATE_USER_MAX_V1_CONCURRENT", 8, minimum=1)
+USER_MAX_V1_TOKENS_PER_MINUTE = env_int("FLOWSTATE_USER_MAX_V1_TOKENS_PER_MINUTE", 200_000, minimum=256)
+USER_MAX_UPLOAD_BYTES_PER_DAY = env_int("FLOWSTATE_USER_MAX_UPLOAD_BYTES_PER_DAY", 1024 * 1024 * 1024, minimum=1024)
+# Retry-After of a refused count (tasks, follow-ups, /v1 requests in flight): when one ends is unknown.
+LIMIT_RETRY_AFTER_S = env_int("FLOWSTATE_LIMIT_RETRY_AFTER_S", 10, minimum=1, maximum=3600)
+# A /v1 request's place among its user's requests in flight expires after this long even if the process
+# serving it died without giving it back.
+V1_REQUEST_LEASE_S = env_int("FLOWSTATE_V1_REQUEST_LEASE_S", 3600, minimum=10)
+# Batch slots of the shared model kept for users holding none, so a newcomer never waits for another
+# user's long generations to finish (training.serving_scheduler).
+SERVING_RESERVED_SLOTS = env_int("FLOWSTATE_SERVING_RESERVED_SLOTS", 1, minimum=0)
 HEALTHZ_PROBE_TIMEOUT_S = 1.5
 """/healthz waits this long for each dependency (all at once), so it answers within 2 s when one stalls."""
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)

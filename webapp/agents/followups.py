@@ -36,13 +36,13 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from training.agent.config import AgentLimits
+from webapp.accounts.limits import active_tasks_check, pending_followups_check, user_lock
 from webapp.agents.models import AgentTask, TaskFollowUp
 from webapp.core.validation import CONFLICT, text_check
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 20_000
-MAX_PENDING = 20
 PATCH_FILE = ".flowstate-followup.patch"
 _WARM_KEY = "flowstate:followup-warm:{task_id}"
 _shutting_down = threading.Event()
@@ -74,6 +74,9 @@ def _task_reopen(task: AgentTask) -> None:
 def followup_send(*, task: AgentTask, user, message: str) -> TaskFollowUp:
     """Queue ``message`` for the task's agent. Only the owner may send (views fetch with
     ``owned_get_for_change``; this checks again); training rollouts cannot be continued."""
+    # The sender's row first, then the task's: a follow-up to a finished task queues it again, which counts
+    # towards the owner's active tasks exactly as task_create (which locks the same user row) counts them.
+    user_lock(user)
     task = AgentTask.objects.select_for_update().get(pk=task.pk)
     if task.owner_id != user.pk:
         raise ValidationError({"message": "only the task's owner can send follow-ups"})
@@ -85,12 +88,12 @@ def followup_send(*, task: AgentTask, user, message: str) -> TaskFollowUp:
         raise ValidationError({"message": str(exc)}) from None
     if not message:
         raise ValidationError({"message": "write the message to send to the agent"})
-    if task.followups.filter(status=TaskFollowUp.Status.PENDING).count() >= MAX_PENDING:
-        raise ValidationError({"message": ValidationError(
-            f"{MAX_PENDING} follow-ups already wait for the agent; wait until it takes them", code=CONFLICT)})
+    if task.is_finished:
+        active_tasks_check(user=user)
     if task.status == AgentTask.Status.CANCELLED:  # messages the user cancelled with the task stay unsent
         task.followups.filter(status=TaskFollowUp.Status.PENDING).update(
             status=TaskFollowUp.Status.DROPPED, status_reason="the task was cancelled before the agent took it")
+    pending_followups_check(task=task)
     followup = TaskFollowUp.objects.create(task=task, author=user, message=message)
     if task.is_finished:
         _task_reopen(task)

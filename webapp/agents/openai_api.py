@@ -7,20 +7,29 @@
 (0..20) work for the built-in and every registered model, streamed or not (webapp.agents.openai_responses).
 Responses carry the standard fields plus ``flowstate`` (prompt/completion token ids, logprobs,
 routed experts) for RL.
+
+Per-user limits (webapp.accounts.limits): USER_MAX_V1_CONCURRENT requests in flight and
+USER_MAX_V1_TOKENS_PER_MINUTE tokens (n x max_tokens reserved up front, settled to prompt + generated
+tokens when the request ends); past either the answer is OpenAI's 429 with Retry-After and the limit's name.
+The shared model shares its batch slots fairly between users (training.serving_scheduler).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from rest_framework.authtoken.models import Token
 
+from webapp.accounts.limits import V1_TOKENS_PER_MINUTE, LimitExceeded, V1Usage, v1_request_begin
 from webapp.agents.openai_responses import completion_response, streaming_response
 from webapp.core.validation import Range, finite_json_loads, integer_check, number_check
 
@@ -28,6 +37,9 @@ MAX_CHOICES = 16
 """Most choices (``n``) per request; training.serving.MAX_CHOICES."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token (``top_logprobs``), OpenAI's limit; training.sampling.MAX_TOP_LOGPROBS."""
+
+
+logger = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
@@ -132,10 +144,17 @@ def chat_completions(request):
         model, problem = _registered_chat_model(user, model_name)
     if problem:
         return problem
+    model.scheduler.reserved_slots = settings.SERVING_RESERVED_SLOTS
+    try:
+        usage = v1_request_begin(user=user, tokens=parsed["n"] * (parsed["max_tokens"] or model.engine.max_seq_len))
+    except LimitExceeded as exc:
+        return _rate_limited(exc)
+    except redis.RedisError as exc:
+        return _error(503, f"the request limits cannot be checked: {exc}", kind="server_error", code="limits_unavailable")
     arguments = {key: parsed[key] for key in ("messages", "tools", "n", "max_tokens", "temperature", "top_p", "seed",
                                               "top_logprobs")}
     try:
-        stream = model.stream_choices(**arguments)
+        stream = _metered(model.stream_choices(**arguments, owner=("user", user.pk)), usage)
         first = next(stream)
     except ValueError as exc:
         return _error(400, str(exc), param="messages", code="context_length_exceeded")
@@ -147,6 +166,36 @@ def chat_completions(request):
         return completion_response(first, stream, header=header, n=parsed["n"], token_bytes=token_bytes)
     return streaming_response(first, stream, header=header, n=parsed["n"], token_bytes=token_bytes,
                               include_usage=parsed["include_usage"])
+
+
+def _rate_limited(exc: LimitExceeded) -> JsonResponse:
+    """OpenAI's 429 (type "tokens" or "requests", code "rate_limit_exceeded") naming the limit, with Retry-After."""
+    kind = "tokens" if exc.limit == V1_TOKENS_PER_MINUTE else "requests"
+    response = JsonResponse({"error": {"message": f"{exc.limit}: {exc.message}", "type": kind, "param": None,
+                                       "code": "rate_limit_exceeded", "limit": exc.limit,
+                                       "retry_after": exc.retry_after}}, status=429)
+    response["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+def _metered(stream: Iterator, usage: V1Usage) -> Iterator:
+    """`stream`'s items; when it ends (finished, failed or closed) the request's lease is given back and its
+    token reservation settled to the prompt and generated tokens."""
+    from training.serving import ChatCompletion
+
+    prompt_tokens = generated = 0
+    try:
+        for item in stream:
+            if isinstance(item, ChatCompletion):
+                prompt_tokens = item.prompt_tokens
+            else:
+                generated += len(item.tokens)
+            yield item
+    finally:
+        try:
+            usage.finish(used_tokens=prompt_tokens + generated)
+        except redis.RedisError:  # the lease expires on its own (V1_REQUEST_LEASE_S)
+            logger.exception("could not give back a /v1 request's lease")
 
 
 @require_GET

@@ -142,13 +142,20 @@ def _codes(error: DjangoValidationError) -> set[str | None]:
 
 
 def exception_handler(exc, context):
-    """DRF's handler, plus the services' ValidationError: 400 (or 409 for state conflicts) by field."""
+    """DRF's handler, plus the services' ValidationError: 400 (or 409 for state conflicts) by field, or 429
+    with Retry-After for a per-user limit (webapp.accounts.limits.LimitExceeded)."""
     # Imported here: rest_framework.views resolves DEFAULT_PARSER_CLASSES (this module's parser) when
     # it is first imported, so importing it at the top would be circular for a process whose first
     # touch of DRF is its pagination system check (manage.py fleet_serve).
     from rest_framework.views import exception_handler as drf_exception_handler
     from rest_framework.views import set_rollback
 
+    from webapp.accounts.limits import LimitExceeded
+
+    if isinstance(exc, LimitExceeded):  # a per-user limit: 429, when to retry and which limit
+        set_rollback()
+        return Response(exc.body(), status=status.HTTP_429_TOO_MANY_REQUESTS,
+                        headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, DjangoValidationError):
         code = status.HTTP_409_CONFLICT if _codes(exc) == {CONFLICT} else status.HTTP_400_BAD_REQUEST
         set_rollback()
