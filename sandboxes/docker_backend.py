@@ -10,7 +10,8 @@ copies nothing: N overlays share one lower directory.
 Containers run under the configured OCI runtime (``SANDBOX_DOCKER_RUNTIME``: runc, or runsc once it
 passes ``sandboxes.docker_runtime.runtime_self_test``) and the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
 uid 1000 with every capability dropped, ``no-new-privileges``, a read-only root filesystem, a sized
-tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network``. The
+tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network`` (then
+public addresses only, ``sandboxes.netguard``; runc only). The
 container's main process is ``sleep <lifetime_s>`` under docker-init (both as ``nobody``, out of the
 agent's reach), so the kernel ends every process when the lifetime runs out even if this process
 died. Labels name the owning process and
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from sandboxes import extract_server, proc
+from sandboxes import extract_server, netguard, proc
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import COMMAND_ENV, CappedOutput, CoreBackend, CoreSandbox, setup_result_check
 from sandboxes.base import (
@@ -399,6 +400,12 @@ class DockerBackend(CoreBackend):
             )
         except APIError as exc:
             raise SandboxError(f"starting the container of sandbox {sandbox_id} failed: {exc.explanation or exc}") from exc
+        if limits.network:  # before any command runs: public, non-host addresses only (sandboxes.netguard)
+            try:
+                netguard.install_in_container(self._client.api.inspect_container(container.id), runtime=self.runtime)
+            except netguard.EgressGuardUnavailable as exc:
+                self._container_remove(container.id)
+                raise BackendUnavailable(f"SandboxLimits.network=True is refused: {exc}") from exc
         return container.id
 
     def _container_remove(self, container_id: str) -> None:

@@ -16,6 +16,7 @@ cannot change it) before any sandbox command runs.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -166,3 +167,34 @@ def install(pid: int, *, dns: Iterable[IPAddress], enter_user_namespace: bool) -
         error = result.stderr.decode(errors="replace").strip()[-500:]
         raise EgressGuardUnavailable(f"loading the egress firewall into the sandbox's network namespace failed: "
                                      f"{error or f'nft exited {result.returncode}'}")
+
+
+def nameservers(resolv_conf: str) -> list[IPAddress]:
+    """The nameserver addresses a resolv.conf lists (where a container's resolver sends its queries)."""
+    found = []
+    try:
+        with open(resolv_conf, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) >= 2 and fields[0] == "nameserver":
+                    with contextlib.suppress(ValueError):
+                        found.append(ipaddress.ip_address(fields[1].split("%", 1)[0]))
+    except OSError as exc:
+        raise EgressGuardUnavailable(f"the container's resolv.conf could not be read: {exc.strerror}") from None
+    return found
+
+
+def install_in_container(inspected: dict, *, runtime: str) -> None:
+    """Load the egress ruleset into a running Docker container's network namespace (``inspected``: the
+    engine's inspect answer), allowing DNS to its resolv.conf's nameservers only.
+
+    Only runc is accepted: gVisor (runsc) sends the container's packets from its own user-space network
+    stack, past the namespace's output hook, and another runtime's path is unverified.
+    """
+    if runtime != "runc":
+        raise EgressGuardUnavailable(f"the egress firewall holds runc containers only, not {runtime!r} ones "
+                                     "(gVisor's own network stack sends past it)")
+    pid = int((inspected.get("State") or {}).get("Pid") or 0)
+    if pid <= 0:
+        raise EgressGuardUnavailable("the container has no running process to hold its network namespace")
+    install(pid, dns=nameservers(inspected.get("ResolvConfPath") or ""), enter_user_namespace=False)
