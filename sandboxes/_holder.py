@@ -214,6 +214,24 @@ def build_root(cfg):
     os.chdir("/workspace")
 
 
+def blank_command_line(title=b"sandbox-init"):
+    """Overwrite this process's argv in place with ``title``.
+
+    ``/proc/<pid>/cmdline`` is readable by every process of the sandbox whatever the dumpable flag,
+    and the inherited argv names the host's interpreter and this script's path in the checkout.
+    The kernel reads it from the process's own memory between arg_start and arg_end (fields 48 and
+    49 of /proc/self/stat), so zeroing that range leaves only the title (what setproctitle does).
+    """
+    with open("/proc/self/stat", "rb") as handle:
+        after_name = handle.read().rsplit(b")", 1)[1].split()
+    start, end = int(after_name[45]), int(after_name[46])  # after_name[0] is field 3
+    if end <= start:
+        return
+    text = title[: end - start - 1]
+    ctypes.memset(start, 0, end - start)
+    ctypes.memmove(start, text, len(text))
+
+
 def loopback_up():
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -270,6 +288,7 @@ def start_sandbox(cfg):
         send(f"P{child}")
         os._exit(0)
     try:
+        blank_command_line()
         # Rootless, the owner reaches /proc/<pid>/root only while this process is dumpable; the agent
         # still cannot, because it lacks this process's capabilities (commoncap ptrace check).
         if cfg["setgroups_allowed"]:

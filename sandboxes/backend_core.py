@@ -14,7 +14,6 @@ import abc
 import json
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from sandboxes import safe_fs
+from sandboxes import safe_fs, safe_tree
 from sandboxes.archives import ArchiveLimits
 from sandboxes.base import (
     WORKSPACE_DIR,
@@ -244,27 +243,25 @@ class CoreBackend(SandboxBackend):
             }))
             staging.rename(final)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            # Never raises (a failure is logged): the error being handled is the one to report.
+            safe_tree.discard_tree(staging, what="half-built snapshot")
             raise
         return snapshot
 
     def snapshot_delete(self, *, snapshot: Snapshot) -> None:
         """Delete a snapshot's files; sandboxes still running on it must be destroyed first."""
         self._pool.drop_snapshot(snapshot.id)
-        shutil.rmtree(self.root / "snapshots" / snapshot.id, ignore_errors=True)
+        safe_tree.discard_tree(self.root / "snapshots" / snapshot.id, what="snapshot")
 
     def _materialize(self, source: RepoSource, tree: Path) -> None:
         materialize_source(source=source, tree=tree, run_as=self._agent_owner if os.geteuid() == 0 else None,
                            archive_limits=self.config.archive_limits)
 
     def _chown_tree(self, tree: Path) -> None:
+        """Give the materialized tree to the sandbox user (iteratively: the tree may be of any depth)."""
         if os.geteuid() != 0:
             return
-        uid, gid = self._agent_owner
-        os.chown(tree, uid, gid, follow_symlinks=False)
-        for dirpath, dirnames, filenames in os.walk(tree):
-            for name in dirnames + filenames:
-                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+        safe_tree.chown_tree(tree, self._agent_owner)
         os.chmod(tree, 0o755)
 
     def _check_snapshot(self, snapshot: Snapshot) -> None:

@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from sandboxes import extract_server, netguard, proc
+from sandboxes import extract_server, netguard, proc, safe_tree
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import COMMAND_ENV, CappedOutput, CoreBackend, CoreSandbox, setup_result_check
 from sandboxes.base import (
@@ -310,7 +309,7 @@ class DockerBackend(CoreBackend):
     def _setup_unmount(staging: Path) -> None:
         _umount(staging / "setup-workspace")
         for name in ("setup-empty", "setup-work", "setup-workspace"):
-            shutil.rmtree(staging / name, ignore_errors=True)
+            safe_tree.discard_tree(staging / name, what="setup directory")
 
     # Sandboxes ----------------------------------------------------------------------------------
 
@@ -421,7 +420,7 @@ class DockerBackend(CoreBackend):
     def _unmount_dir(self, sandbox_dir: Path) -> None:
         _umount(sandbox_dir / "workspace")
         _umount(sandbox_dir / "disk")
-        shutil.rmtree(sandbox_dir, ignore_errors=True)
+        safe_tree.discard_tree(sandbox_dir, what="sandbox directory")
 
     def _teardown(self, sandbox_id: str, container_id: str | None, workspace_fd: int) -> None:
         if workspace_fd >= 0:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
-from sandboxes import extract_server, netguard, paths, proc
+from sandboxes import extract_server, netguard, paths, proc, safe_tree
 from sandboxes.archives import ArchiveLimits
 from sandboxes.backend_core import (
     COMMAND_ENV,
@@ -276,7 +276,7 @@ class LocalBackend(CoreBackend):
             for leftover in workdir.iterdir():  # overlay leaves an empty, mode-000 "work" directory
                 with contextlib.suppress(OSError):
                     leftover.chmod(0o700)
-            shutil.rmtree(workdir, ignore_errors=True)
+            safe_tree.discard_tree(workdir, what="setup overlay work directory")
 
     # Sandboxes ----------------------------------------------------------------------------------
 
@@ -456,8 +456,10 @@ class LocalBackend(CoreBackend):
 
     def _run_bounded(self, argv: list[str], timeout_s: float) -> ExecResult:
         started = time.monotonic()
+        # cwd "/": a shell on the way in (the cgroup prefix) exports its working directory as PWD,
+        # which would show the sandbox this process's (the checkout's) directory.
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env=dict(COMMAND_ENV), start_new_session=True, close_fds=True)
+                                   env=dict(COMMAND_ENV), start_new_session=True, close_fds=True, cwd="/")
         stdout, stderr = process.stdout, process.stderr
         assert stdout is not None and stderr is not None  # both are pipes
         buffers: dict[IO[bytes], CappedOutput] = {stdout: CappedOutput(self.config.max_output_bytes),
@@ -545,7 +547,7 @@ class LocalBackend(CoreBackend):
         try:
             sandbox_dir.rmdir()
         except OSError:
-            shutil.rmtree(sandbox_dir, ignore_errors=True)
+            safe_tree.discard_tree(sandbox_dir, what="sandbox directory")
 
     def snapshots_in_use(self) -> set[str]:
         in_use = set()

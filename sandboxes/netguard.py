@@ -24,8 +24,6 @@ import socket
 import subprocess
 from collections.abc import Iterable
 
-import psutil
-
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -89,6 +87,11 @@ def is_public(address: IPAddress | str) -> bool:
 
 def host_addresses() -> list[IPAddress]:
     """Every address of this host's interfaces in the current network namespace, now."""
+    try:  # here, not at import: the local backend also runs under a bare system Python
+        import psutil
+    except ImportError:
+        raise EgressGuardUnavailable("listing the host's addresses for the egress firewall needs psutil") from None
+
     found: set[IPAddress] = set()
     for addresses in psutil.net_if_addrs().values():
         for entry in addresses:
@@ -135,8 +138,12 @@ def egress_ruleset(*, host: Iterable[IPAddress], dns: Iterable[IPAddress]) -> st
     return "\n".join(lines) + "\n"
 
 
+NFT_PATHS = ("/usr/sbin/nft", "/sbin/nft")
+"""Where nft is looked for besides PATH (a service's PATH often lacks the sbin directories)."""
+
+
 def _nft() -> str:
-    for candidate in (shutil.which("nft"), "/usr/sbin/nft", "/sbin/nft"):
+    for candidate in (shutil.which("nft"), *NFT_PATHS):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise EgressGuardUnavailable(

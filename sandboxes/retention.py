@@ -3,13 +3,22 @@
 A snapshot is in use (reference-counted by the backends' own records: the local backend's registry,
 Docker's container labels) while any live sandbox was created from it; those are never deleted,
 whatever their age. Half-built ``.partial`` staging directories older than the bound go too.
+Snapshot trees are untrusted (archives, setup commands wrote them): they are deleted by
+``safe_tree.remove_tree``, and an entry that cannot be deleted is logged and skipped, so one bad
+entry never stops the collection of the others.
 """
 
 from __future__ import annotations
 
-import shutil
+import logging
+import os
+import stat
 import time
 from pathlib import Path
+
+from sandboxes.safe_tree import remove_tree
+
+logger = logging.getLogger(__name__)
 
 
 def snapshots_gc(*, snapshots_dir: Path, max_age_s: float, in_use: set[str], now: float | None = None) -> list[str]:
@@ -20,17 +29,19 @@ def snapshots_gc(*, snapshots_dir: Path, max_age_s: float, in_use: set[str], now
     removed: list[str] = []
     if not snapshots_dir.is_dir():
         return removed
-    for entry in sorted(snapshots_dir.iterdir()):
-        name = entry.name
+    for name in sorted(os.listdir(snapshots_dir)):
         snapshot_id = name[1:].removesuffix(".partial") if name.startswith(".") else name
-        if snapshot_id in in_use or not entry.is_dir() or entry.is_symlink():
-            continue
+        entry = snapshots_dir / name
         try:
-            age = now - entry.stat().st_mtime
+            info = entry.lstat()
         except FileNotFoundError:
             continue
-        if age < max_age_s:
+        if snapshot_id in in_use or not stat.S_ISDIR(info.st_mode) or now - info.st_mtime < max_age_s:
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            remove_tree(entry)
+        except Exception:  # one entry must never stop the collection of the others
+            logger.warning("snapshot gc: could not remove %s; skipped, retried at the next pass", entry, exc_info=True)
+            continue
         removed.append(snapshot_id)
     return removed

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 from sandboxes.base import DirEntry, PathOutsideWorkspace, SandboxError, SandboxLimitExceeded
+from sandboxes.safe_tree import walk_entries
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_XDEV = 0x01
@@ -28,6 +29,9 @@ RESOLVE_BENEATH = 0x08
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
+PATH_CHUNK_BYTES = 2048
+"""Longest path one openat2 call is given. A tree can be deeper than PATH_MAX lets one path name
+(every level is created relative to its parent), so longer paths are resolved in parts."""
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """Largest file read_bytes returns; bigger reads raise SandboxLimitExceeded instead of exhausting memory."""
 
@@ -65,6 +69,8 @@ def open_beneath(root_fd: int, relative: str, flags: int, mode: int = 0o644, *, 
     ``follow_symlinks=False`` adds ``RESOLVE_NO_SYMLINKS``: any symlink in any component is refused,
     even one that would stay inside (archive extraction writes links but never goes through them).
     """
+    if len(relative.encode()) > PATH_CHUNK_BYTES:
+        return _open_long(root_fd, relative, flags, mode, follow_symlinks=follow_symlinks)
     resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
     if not follow_symlinks:
         resolve |= RESOLVE_NO_SYMLINKS
@@ -80,6 +86,26 @@ def open_beneath(root_fd: int, relative: str, flags: int, mode: int = 0o644, *, 
     if err == errno.ELOOP:
         raise PathOutsideWorkspace(f"{relative!r} is a symlink; tools do not follow it")
     raise OSError(err, os.strerror(err), relative)
+
+
+def _open_long(root_fd: int, relative: str, flags: int, mode: int, *, follow_symlinks: bool) -> int:
+    """open_beneath for a path longer than one openat2 call takes: a part at a time, each part
+    resolved beneath the directory the previous part opened (stricter than beneath the root)."""
+    parts = [part for part in relative.split("/") if part]
+    chunks: list[list[str]] = [[]]
+    for part in parts:
+        if chunks[-1] and sum(len(p.encode()) + 1 for p in chunks[-1]) + len(part.encode()) > PATH_CHUNK_BYTES:
+            chunks.append([])
+        chunks[-1].append(part)
+    current = os.dup(root_fd)
+    try:
+        for chunk in chunks[:-1]:
+            child = open_beneath(current, "/".join(chunk), os.O_PATH | os.O_DIRECTORY, follow_symlinks=follow_symlinks)
+            os.close(current)
+            current = child
+        return open_beneath(current, "/".join(chunks[-1]), flags, mode, follow_symlinks=follow_symlinks)
+    finally:
+        os.close(current)
 
 
 def _describe(err: OSError, relative: str) -> SandboxError:
@@ -236,33 +262,10 @@ def list_dir(root_fd: int, path: str) -> list[DirEntry]:
 
 def walk_files(root_fd: int, *, skip_dirs: frozenset[str] = frozenset()) -> Iterator[tuple[str, os.stat_result]]:
     """Yield (relative path, lstat) for every non-directory entry below root_fd, sorted, no symlink following."""
-
-    def walk(dir_fd: int, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
-        for name in sorted(os.listdir(dir_fd)):
-            try:
-                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            relative = f"{prefix}{name}"
-            if stat.S_ISDIR(info.st_mode):
-                if not prefix and name in skip_dirs:
-                    continue
-                try:
-                    child = open_beneath(dir_fd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                except (OSError, PathOutsideWorkspace):
-                    continue
-                try:
-                    yield from walk(child, relative + "/")
-                finally:
-                    os.close(child)
-            else:
-                yield relative, info
-
     top = open_beneath(root_fd, "", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        yield from walk(top, "")
-    finally:
-        os.close(top)
+    for relative, info in walk_entries(top, skip_top=skip_dirs):
+        if not stat.S_ISDIR(info.st_mode):
+            yield relative, info
 
 
 def read_entry(root_fd: int, relative: str, info: os.stat_result) -> bytes | None:

@@ -27,7 +27,7 @@ import pytest
 
 from sandboxes import netguard
 from sandboxes.base import BackendUnavailable, RepoSource, SandboxLimits
-from tests.sandboxes.conftest import TEST_LIMITS
+from tests.sandboxes.conftest import TEST_LIMITS, _traversable_tempdir
 
 NET_LIMITS = SandboxLimits(cpu_seconds=20, memory_mb=512, max_processes=64, disk_mb=64, command_timeout_s=30,
                            lifetime_s=300, network=True)
@@ -286,3 +286,92 @@ def test_setup_commands_cannot_reach_internal_addresses(sandbox_backend, tmp_pat
         assert targets.accepted == [], f"setup commands reached {targets.accepted}"
     finally:
         sandbox_backend.snapshot_delete(snapshot=snapshot)
+
+
+def test_network_is_refused_when_the_firewall_cannot_be_installed(tmp_path, monkeypatch):
+    """No nft on the host: network=True names the cause instead of running unguarded, unless opted out."""
+    from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+
+    if os.geteuid() != 0 or shutil.which("slirp4netns") is None:
+        pytest.skip("needs root and slirp4netns (otherwise network=True is refused for that reason first)")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(netguard, "NFT_PATHS", (str(tmp_path / "no-nft"),))
+    assert shutil.which("nft") is None
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "a.txt").write_text("a\n")
+    state = _traversable_tempdir("flowstate-egress-")
+    backend = LocalBackend(LocalBackendConfig(root=state))
+    unguarded = LocalBackend(LocalBackendConfig(root=state, network_unguarded=True))
+    try:
+        snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+        with pytest.raises(BackendUnavailable, match="network=True is refused: .*nftables"):
+            backend.sandbox_create(snapshot=snapshot, limits=NET_LIMITS)
+        with pytest.raises(BackendUnavailable, match="nftables"):
+            backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)), setup_commands=("true",),
+                                    setup_limits=NET_LIMITS)
+        box = unguarded.sandbox_create(snapshot=snapshot, limits=NET_LIMITS)
+        try:
+            assert box.exec("echo ran").stdout == "ran\n"
+        finally:
+            box.destroy()
+    finally:
+        backend.close()
+        unguarded.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+ROOTLESS_SCRIPT = """
+import ipaddress, json, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from sandboxes import netguard
+from sandboxes.base import RepoSource, SandboxLimits
+from sandboxes.local_backend import LocalBackend, LocalBackendConfig
+backend = LocalBackend(LocalBackendConfig(root=Path(sys.argv[2]) / "state"))
+snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=sys.argv[3]))
+box = backend.sandbox_create(snapshot=snapshot, limits=SandboxLimits(lifetime_s=60, command_timeout_s=10))
+backend._egress_guard(box.id, box.holder_pid)
+tamper = box.exec("/usr/sbin/nft flush ruleset 2>&1; echo rc=$?").stdout
+listed = subprocess.run(["nsenter", f"--target={box.holder_pid}", "--user", "--preserve-credentials", "--net",
+                         "/usr/sbin/nft", "list", "table", "inet", netguard.TABLE], capture_output=True, text=True)
+print(json.dumps({"rootless": backend.rootless, "tamper": tamper, "listed": listed.stdout}))
+box.destroy()
+backend.close()
+"""
+
+
+def test_rootless_owner_installs_the_firewall_and_namespace_root_cannot_lift_it():
+    """Rootless, sandbox commands run as the namespace's root without capabilities: the owner's firewall holds.
+
+    (slirp4netns itself needs /dev/net/tun open to the user; the firewall is checked on its own here.)
+    """
+    import psutil
+
+    if os.geteuid() != 0 or not os.access("/usr/sbin/nft", os.X_OK) or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root to impersonate an unprivileged user, /usr/sbin/nft and /usr/bin/python3")
+    import tempfile
+    from pathlib import Path
+
+    work = Path(tempfile.mkdtemp(prefix="flowstate-rootless-net-", dir="/tmp"))
+    try:
+        (work / "repo").mkdir()
+        (work / "repo" / "a.txt").write_text("a\n")
+        code = work / "code"
+        root = Path(__file__).resolve().parents[3]
+        shutil.copytree(root / "sandboxes", code / "sandboxes", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(Path(psutil.__file__).parent, code / "psutil", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (work, *work.rglob("*")):
+            os.chown(path, 65534, 65534)
+        result = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", ROOTLESS_SCRIPT,
+             str(code), str(work), str(work / "repo")],
+            capture_output=True, text=True, timeout=120, check=False, cwd="/tmp",
+            env={"PATH": "/usr/bin:/bin", "HOME": str(work)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        assert report["rootless"] is True
+        assert "Operation not permitted" in report["tamper"] and "rc=1" in report["tamper"], report["tamper"]
+        assert "@refused4" in report["listed"] and "policy drop" in report["listed"], report["listed"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
