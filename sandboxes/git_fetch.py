@@ -6,7 +6,8 @@
   is resolved here and every address must be public (not loopback, private, link-local, metadata,
   multicast or reserved) unless the host is allow-listed (``FLOWSTATE_GIT_ALLOWED_HOSTS``). Git then
   connects only to the checked address: http(s) through ``http.curloptResolve`` pinning and no
-  redirects, git:// by the address literal.
+  redirects, git:// by the address literal. The address check (``check_host``) is shared with every other
+  connection to a user-given host (policy servers: ``sandboxes.outbound``).
 - Clone and checkout run as an unprivileged uid with no capabilities and bounded memory/CPU.
 - Errors shown to users are summaries; raw git stderr (which may quote a file git read) is logged.
 """
@@ -35,6 +36,10 @@ DEFAULT_PORTS = {"http": 80, "https": 443, "git": 9418}
 GIT_MEMORY_BYTES = 2 * 1024 * 1024 * 1024
 GIT_CPU_SECONDS = 600
 _HEX_SHA = re.compile(r"^[0-9a-fA-F]{7,64}$")
+
+
+class OutboundRefused(ValueError):
+    """A user-given host may not be connected to (internal address, unresolvable); the message says why."""
 
 
 class GitSourceRejected(SnapshotError):
@@ -99,21 +104,38 @@ def check_url(url: str, *, hosts_allowed: frozenset[str] | None = None,
         raise GitSourceRejected("the git URL has an invalid port") from None
     if not host or host.startswith("-"):
         raise GitSourceRejected("the git URL has no valid host name")
+    try:
+        addresses = check_host(host, port, label="git host", hosts_allowed=hosts_allowed,
+                               resolve_required=resolve_required)
+    except OutboundRefused as exc:
+        raise GitSourceRejected(str(exc)) from None
+    return scheme, host, port, addresses
+
+
+def check_host(host: str, port: int, *, label: str, hosts_allowed: frozenset[str] | None = None,
+               resolve_required: bool = True) -> list[str]:
+    """The outbound address guard of every user-given host (git URLs, policy servers): resolve ``host``
+    and return its addresses, sorted; every one must be public unless ``host`` is allow-listed
+    (``allowed_hosts``). Raises OutboundRefused naming ``label``.
+
+    A name that does not resolve is refused, or with ``resolve_required=False`` (form validation)
+    returned with no addresses: the connecting side checks again, resolving, and pins what it checked.
+    """
     allowed = allowed_hosts() if hosts_allowed is None else hosts_allowed
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         if resolve_required:
-            raise GitSourceRejected(f"the git host {host!r} could not be resolved") from None
+            raise OutboundRefused(f"the {label} {host!r} could not be resolved") from None
         infos = []
     addresses = sorted({str(info[4][0]) for info in infos})
     if host not in allowed:
         refused = [a for a in addresses if not _is_public(ipaddress.ip_address(a.split("%", 1)[0]))]
         if refused:
-            raise GitSourceRejected(
-                f"the git host {host!r} resolves to an internal address; fetching from internal addresses is "
+            raise OutboundRefused(
+                f"the {label} {host!r} resolves to an internal address; fetching from internal addresses is "
                 "refused (an administrator can allow-list the host in FLOWSTATE_GIT_ALLOWED_HOSTS)")
-    return scheme, host, port, addresses
+    return addresses
 
 
 def resolve_target(url: str, *, hosts_allowed: frozenset[str] | None = None) -> GitTarget:

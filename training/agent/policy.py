@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import openai
 
+from sandboxes.outbound import pinned_http_client
+
 
 class PolicyError(Exception):
     """The policy could not produce a turn.
@@ -78,13 +80,23 @@ class OpenAIChatPolicy:
     """Sampling seed forwarded to servers that honour it."""
     extra_body: dict = field(default_factory=dict)
     """Extra JSON fields sent with every request (server-specific options)."""
+    user_url: bool = False
+    """True when a user chose ``base_url``: its host goes through the outbound address guard now (every
+    address public unless allow-listed, ``sandboxes.outbound``), raising OutboundRefused, and the client
+    connects only to the address checked, following no redirects, sending ``api_key`` (if any) as its only
+    credential. False: the operator configured it."""
 
     def __post_init__(self) -> None:
         if not self.base_url or not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"OpenAIChatPolicy.base_url must be an http(s) URL, got {self.base_url!r}")
         if not self.model:
             raise ValueError("OpenAIChatPolicy.model must name the model to call")
-        self._client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=self.max_retries)
+        # A user's server gets the key given here or none: the pinned client drops whatever the openai
+        # library adds from this process's environment (OPENAI_ORG_ID, OPENAI_CUSTOM_HEADERS, ...).
+        http_client = pinned_http_client(self.base_url, label="base_url", bearer_token=self.api_key) \
+            if self.user_url else None
+        self._client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none",
+                                     max_retries=self.max_retries, http_client=http_client)
 
     @property
     def name(self) -> str:

@@ -44,7 +44,12 @@ from webapp.agents.heartbeat import heartbeat_start, task_heartbeat  # noqa: F40
 from webapp.agents.models import AgentTask, Repository
 from webapp.agents.rollouts import rollout_record  # noqa: F401
 from webapp.agents.storable import storable_text
-from webapp.agents.validation import agent_limits_check, policy_options_check
+from webapp.agents.validation import (
+    agent_limits_check,
+    base_url_check,
+    is_operator_openai_url,
+    policy_options_check,
+)
 from webapp.core.publish import coalesce_events
 from webapp.core.validation import CONFLICT
 
@@ -176,6 +181,7 @@ def task_create(
         model_name = (model_name or settings.OPENAI_MODEL or "").strip()
         if not base_url.startswith(("http://", "https://")):
             raise ValidationError({"base_url": "give the http(s) base URL of the OpenAI-compatible server (or set OPENAI_BASE_URL)"})
+        base_url = base_url_check(url=base_url, builtin_base_url=settings.AGENT_BUILTIN_BASE_URL or builtin_base_url)
         if not model_name:
             raise ValidationError({"model_name": "name the model to call (or set OPENAI_MODEL)"})
     elif backend == AgentTask.Backend.BUILTIN:
@@ -362,8 +368,13 @@ def _policy_for(task: AgentTask):
     if task.backend == AgentTask.Backend.BUILTIN:
         return OpenAIChatPolicy(task.base_url, task.model_name, api_token_get_or_create(user=task.owner),
                                 seed=task.policy_options.get("seed"))
-    return OpenAIChatPolicy(task.base_url, task.model_name, task.api_key or settings.OPENAI_API_KEY or "",
-                            seed=task.policy_options.get("seed"))
+    # The operator's key goes only to the operator's server. A URL a user chose gets the user's key or
+    # none, and is checked by the outbound address guard again now (DNS may have changed since it was
+    # submitted, or the row was edited) with the connection pinned to the address checked.
+    operators = is_operator_openai_url(task.base_url)
+    key = task.api_key or (settings.OPENAI_API_KEY if operators else "") or ""
+    return OpenAIChatPolicy(task.base_url, task.model_name, key, seed=task.policy_options.get("seed"),
+                            user_url=not operators)
 
 
 def _db_retry(call, *, what: str, attempts: int = 5):
@@ -461,6 +472,7 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
     (webapp.agents.followups).
     """
     from sandboxes.base import SandboxError
+    from sandboxes.git_fetch import OutboundRefused
     from training.agent.loop import run_agent
     from webapp.agents import followups, verify
 
@@ -479,6 +491,10 @@ def task_run(*, task_id: int, keep_warm: bool = False) -> str:
     try:
         try:
             policy = _policy_for(task)
+        except OutboundRefused as exc:
+            fail(f"the policy server was not contacted: {exc}")
+            return "failed: base_url refused"
+        try:
             backend, snapshot, sandbox = _sandbox_prepare(task, limits)
         except (SandboxError, ValueError, OSError) as exc:
             fail(f"could not prepare the sandbox: {type(exc).__name__}: {exc}")

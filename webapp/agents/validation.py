@@ -7,6 +7,7 @@ error sits next to the field). Errors are Django ValidationErrors keyed by the l
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -85,3 +86,41 @@ def policy_options_check(*, backend: str, options: Any) -> dict[str, Any]:
     if errors:
         raise ValidationError(errors)
     return checked
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit((url or "").strip())
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        port = None
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def is_operator_openai_url(url: str) -> bool:
+    """Whether ``url`` is the operator's OpenAI-compatible server (``OPENAI_BASE_URL``): the only one that
+    may get the operator's ``OPENAI_API_KEY`` and that the outbound address guard does not check."""
+    configured = (settings.OPENAI_BASE_URL or "").strip().rstrip("/")
+    return bool(configured) and (url or "").strip().rstrip("/") == configured
+
+
+def base_url_check(*, url: str, builtin_base_url: str = "") -> str:
+    """An openai-backend task's base URL: the operator's ``OPENAI_BASE_URL``, or a user's URL that passes the
+    outbound address guard of git URLs (http(s), every address public unless allow-listed in
+    FLOWSTATE_GIT_ALLOWED_HOSTS; a name that does not resolve yet is checked again when the task runs).
+    This server's own ``/v1`` (``builtin_base_url``) is refused: that is backend=builtin, under the owner's token.
+    """
+    from sandboxes.git_fetch import OutboundRefused
+    from sandboxes.outbound import check_http_url
+
+    url = (url or "").strip()
+    if is_operator_openai_url(url):
+        return url
+    if builtin_base_url and _origin(url) == _origin(builtin_base_url):
+        raise ValidationError({"base_url": ["this is the server's own /v1 endpoint; choose backend=builtin for it"]})
+    try:
+        check_http_url(url, label="base_url", resolve_required=False)
+    except OutboundRefused as exc:
+        raise ValidationError({"base_url": [str(exc)]}) from None
+    return url
+

@@ -10,6 +10,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpResponse, JsonResponse
+from django.http.request import split_domain_port
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -26,8 +27,21 @@ TASK_FORM_FIELD_NAMES = {"team": "share_with_team", "policy_options": "step_dela
 
 
 def builtin_base_url_for(request) -> str:
-    """This server's /v1 as the submitting client reached it (workers may override via settings)."""
-    return settings.AGENT_BUILTIN_BASE_URL or request.build_absolute_uri("/v1").rstrip("/")
+    """This server's /v1 as the submitting client reached it (workers may override via settings).
+
+    Django checks the Host header's name against ALLOWED_HOSTS but not its port, so the port kept is the
+    one this server answers on (SERVER_PORT) or the scheme's default: any other would aim the worker, and
+    the owner's token, at another local service.
+    """
+    if settings.AGENT_BUILTIN_BASE_URL:
+        return settings.AGENT_BUILTIN_BASE_URL
+    name, port = split_domain_port(request.get_host())
+    default = "443" if request.is_secure() else "80"
+    server_port = str(request.META.get("SERVER_PORT") or default)
+    if port not in ("", server_port, default):
+        port = server_port
+    netloc = name if port in ("", default) else f"{name}:{port}"
+    return f"{request.scheme}://{netloc}/v1"
 
 
 def task_filters_from(params) -> dict:
