@@ -48,7 +48,15 @@ from sandboxes.base import (
     Snapshot,
     SnapshotError,
 )
-from sandboxes.docker_runtime import runtime_missing, runtime_pids_overhead, runtime_self_test
+from sandboxes.docker_runtime import (
+    EXEC_MARK,
+    GVISOR_KILL_TIMEOUT_S,
+    gvisor_kill_command,
+    runtime_is_gvisor,
+    runtime_missing,
+    runtime_pids_overhead,
+    runtime_self_test,
+)
 from sandboxes.settings import RUNTIME_NAME
 from sandboxes.settings import current as current_settings
 
@@ -252,6 +260,7 @@ class DockerBackend(CoreBackend):
         missing = runtime_missing(self._client, self.runtime)
         if missing:
             raise BackendUnavailable(missing)
+        self.gvisor = runtime_is_gvisor(self._client, self.runtime)
         for sub in ("snapshots", "sandboxes"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._owner_pid = os.getpid()
@@ -383,7 +392,7 @@ class DockerBackend(CoreBackend):
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(self.config.cpus * 1e9),
-                pids_limit=limits.max_processes + runtime_pids_overhead(self.runtime),
+                pids_limit=limits.max_processes + runtime_pids_overhead(self.gvisor),
                 read_only=True,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
@@ -448,14 +457,17 @@ class DockerBackend(CoreBackend):
             time.sleep(delay)
             delay *= 2
 
-    def _exec_once(self, container_id: str, command: str, timeout_s: float) -> ExecResult:
+    def _exec_once(self, container_id: str, command: str, timeout_s: float, *, killable: bool = True) -> ExecResult:
         from docker.errors import APIError, NotFound
 
         started = time.monotonic()
         api = self._client.api
+        # Under gVisor the command's processes carry a token, so a timeout can kill them from inside.
+        token = secrets.token_hex(8) if self.gvisor and killable else ""
+        environment = {**COMMAND_ENV, EXEC_MARK: token} if token else COMMAND_ENV
         try:
             exec_id = api.exec_create(container_id, ["/bin/sh", "-c", command], user=f"{AGENT_UID}:{AGENT_UID}",
-                                      workdir=WORKSPACE_DIR, environment=COMMAND_ENV)["Id"]
+                                      workdir=WORKSPACE_DIR, environment=environment)["Id"]
             stream = api.exec_start(exec_id, socket=True)
         except NotFound:
             raise SandboxGone(f"container {container_id[:12]} is gone") from None
@@ -480,7 +492,7 @@ class DockerBackend(CoreBackend):
             now = time.monotonic()
             if not timed_out and now - started > timeout_s:
                 timed_out = True
-                self._kill_exec(exec_id)
+                self._kill_exec(exec_id, container_id, token)
             if timed_out and now - started > timeout_s + 2.0:
                 break
             # Background children may keep the output open after the command exits; stop reading soon.
@@ -497,7 +509,7 @@ class DockerBackend(CoreBackend):
         # dockerd reports the exit once it stops copying output, up to ~2 s after the process ended.
         while info["Running"] and time.monotonic() - started < timeout_s + 8.0:
             if timed_out:
-                self._kill_exec(exec_id)
+                self._kill_exec(exec_id, container_id, token)
             time.sleep(0.05)
             info = self._exec_info(container_id, exec_id)
         exit_code = info["ExitCode"] if info["ExitCode"] is not None else -9
@@ -516,8 +528,12 @@ class DockerBackend(CoreBackend):
         except NotFound:
             raise SandboxGone(f"container {container_id[:12]} stopped while the command ran") from None
 
-    def _kill_exec(self, exec_id: str) -> None:
-        """Kill an exec'd command with its process group and every descendant (host pids)."""
+    def _kill_exec(self, exec_id: str, container_id: str, token: str) -> None:
+        """Kill an exec'd command with its process group and every descendant (host pids); under
+        gVisor, whose sentry runs them out of the host's sight, first from inside the sandbox."""
+        if token:
+            with contextlib.suppress(SandboxError):
+                self._exec_once(container_id, gvisor_kill_command(token), GVISOR_KILL_TIMEOUT_S, killable=False)
         pid = self._client.api.exec_inspect(exec_id).get("Pid") or 0
         if pid <= 0:
             return

@@ -6,8 +6,10 @@ code and the host's (docs/SECURITY.md); it must be registered in the engine's ``
 engine). A registered runtime is not yet a working one: Debian bookworm's runsc (2022-12) starts
 containers but fails ``statx`` calls of the sandbox image's coreutils and dies under the backend's
 pids limit (docs/notebook/2026-11-29c-issue-51.md), and the backend's timeout kill (host pids)
-does not reach commands inside gVisor; so a runtime other than ``runc`` is proven with one real
-sandbox before the backend accepts it (``runtime_self_test``).
+does not reach commands inside gVisor (the sentry runs them; the host sees only ``runsc exec``), so
+under gVisor a timed-out command is killed from inside the sandbox (``gvisor_kill_command``). A
+runtime other than ``runc`` is proven with one real sandbox before the backend accepts it
+(``runtime_self_test``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,60 @@ bookworm's runsc: 58 host tasks for an idle sandbox, 71 during one exec; under t
 ``max_processes`` limit of 64 the sentry cannot start threads and the sandbox dies at its first exec."""
 
 
+EXEC_MARK = "FLOWSTATE_EXEC"
+"""Environment variable that tags every process of one command run under gVisor with that command's
+token (children inherit it), so the in-sandbox kill finds them."""
+_KILL_SCRIPT = """
+import os, signal, time
+mark = b'%s=%s'
+def table():
+    rows = {}
+    for name in os.listdir('/proc'):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            environ = open('/proc/' + name + '/environ', 'rb').read().split(b'\\0')
+            fields = open('/proc/' + name + '/stat', 'rb').read().rsplit(b')', 1)[1].split()
+        except OSError:
+            continue
+        rows[int(name)] = (int(fields[1]), int(fields[4]), mark in environ)
+    return rows
+left = -1
+for _ in range(100):
+    rows = table()
+    victims = {pid for pid, (_, _, marked) in rows.items() if marked}
+    victims |= {pid for pid, (_, session, _) in rows.items() if session in victims}
+    while True:
+        more = {pid for pid, (parent, _, _) in rows.items() if parent in victims} - victims
+        if not more:
+            break
+        victims |= more
+    left = len(victims)
+    if not victims:
+        break
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.02)
+print(left)
+"""
+"""Kills every process of one command inside a gVisor sandbox: those carrying its ``EXEC_MARK``
+token, the members of sessions they lead, and all their descendants, repeated until none is left
+(a process forking while it is killed). Run as the agent's uid (no capability is needed to kill
+one's own processes); prints how many were still found on the last pass (0: all gone)."""
+GVISOR_KILL_TIMEOUT_S = 10.0
+
+
+def gvisor_kill_command(token: str) -> str:
+    """The shell command that kills the processes of the command tagged ``token`` (``_KILL_SCRIPT``)."""
+    if not token.isalnum():
+        raise ValueError(f"exec token {token!r} is not alphanumeric")
+    script = _KILL_SCRIPT % (EXEC_MARK, token)
+    return "exec python3 -c '" + script.replace("'", "'\\''") + "'"
+
+
 def engine_runtimes(client) -> tuple[str, ...]:
     """Names of the OCI runtimes the Docker engine has registered (``docker info``)."""
     return tuple(sorted((client.info().get("Runtimes") or {}).keys()))
@@ -65,9 +121,16 @@ def runtime_missing(client, runtime: str) -> str | None:
             "reload dockerd (kill -HUP), see docs/SECURITY.md")
 
 
-def runtime_pids_overhead(runtime: str) -> int:
-    """Host tasks added to a container's pids limit for ``runtime``'s own threads."""
-    return RUNSC_PIDS_OVERHEAD if runtime == "runsc" else 0
+def runtime_is_gvisor(client, runtime: str) -> bool:
+    """Whether the engine's ``runtime`` is gVisor: its registered binary is ``runsc`` (a name such as
+    ``runsc-ptrace`` is only a label in ``daemon.json``; the binary decides)."""
+    entry = (client.info().get("Runtimes") or {}).get(runtime) or {}
+    return os.path.basename(str(entry.get("path") or runtime)) == "runsc"
+
+
+def runtime_pids_overhead(gvisor: bool) -> int:
+    """Host tasks added to a container's pids limit for the runtime's own threads."""
+    return RUNSC_PIDS_OVERHEAD if gvisor else 0
 
 
 def runtime_self_test(backend: DockerBackend) -> None:
@@ -126,3 +189,39 @@ def _timeout_kill_check(backend: DockerBackend, container: str) -> None:
             f"OCI runtime {backend.runtime!r}: a timed-out command is not killed in the sandbox (timed_out="
             f"{timed_out.timed_out}, processes left: {(survivors.stdout + survivors.stderr).strip()[:200]!r})"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sandboxes.docker_runtime RUNTIME``: run the start-up self-test of one runtime.
+
+    Exit 0 when a sandbox works under it, 1 with the reason otherwise; ``--image-optional`` exits 0
+    with a note where the sandbox image is not built yet (scripts/install_runsc.sh runs before it).
+    """
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    from sandboxes.docker_backend import DockerBackend, DockerBackendConfig
+
+    parser = argparse.ArgumentParser(prog="python -m sandboxes.docker_runtime", description=main.__doc__)
+    parser.add_argument("runtime")
+    parser.add_argument("--image-optional", action="store_true")
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="flowstate-runtime-test-")
+    os.chmod(root, 0o711)
+    try:
+        DockerBackend(DockerBackendConfig(root=Path(root), runtime=args.runtime)).close()
+    except BackendUnavailable as exc:
+        if args.image_optional and "sandbox image" in str(exc) and "missing" in str(exc):
+            print(f"{args.runtime}: self-test not run: {exc}")
+            return 0
+        print(f"{args.runtime}: {exc}")
+        return 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.runtime}: self-test passed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
