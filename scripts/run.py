@@ -17,13 +17,23 @@ drivers, sandbox init processes) are reparented to it; and every process of the 
 FLOWSTATE_RUN_OWNER=<state dir> in its environment, which is how the stop sequence and the next
 start (after a crash or `kill -9`) find whatever is left: var/run.lock tells whether a supervisor of
 this state directory is alive.
+
+Network exposure (see `check_exposure`): nothing of the run may listen beyond loopback. The embedded
+Ray head runs with token authentication (a fresh token per start, in a 0600 file outside the
+checkout, named to every child by RAY_AUTH_TOKEN_PATH, never logged) and on 127.0.0.1 only; once
+everything is up, and again while it runs, the supervisor lists every listening socket of its
+processes and stops the run, naming the process and the port, when one is on any other address. The
+one exception is the ASGI server's own FLOWSTATE_HOST:FLOWSTATE_PORT, when the operator set
+FLOWSTATE_HOST.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -34,10 +44,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sandboxes import proc  # noqa: E402 (after the sys.path insert)
+from webapp import listeners  # noqa: E402
 from webapp.server_command import asgi_server_command  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
@@ -48,6 +61,8 @@ PORT = int(os.environ.get("FLOWSTATE_PORT", "8000"))
 OWNER = str(STATE_DIR)
 STOP_BUDGET_S = 18.0
 """From the first signal to the last process gone (the issue allows 20 s)."""
+EXPOSURE_CHECK_S = 30.0
+"""How often a running supervisor lists its processes' listening sockets again."""
 
 
 class StopRequested(BaseException):
@@ -175,6 +190,71 @@ def remove_ray_temp_dir() -> None:
         record.unlink(missing_ok=True)
 
 
+def ray_auth_token_file() -> Path:
+    """The embedded Ray head's token file: one per state directory, under the user's state
+    directory (XDG_STATE_HOME, else ~/.local/state), never inside the checkout, where it could be
+    committed, copied with the tree or read by whoever may read the repository."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    digest = hashlib.sha256(OWNER.encode()).hexdigest()[:16]
+    return base / "flowstate" / f"ray-{digest}" / "auth_token"
+
+
+def write_ray_auth_token() -> Path:
+    """A fresh 256-bit token for this start (a token from an earlier start, or one an earlier log
+    or backup leaked, opens nothing), written 0600 in a 0700 directory and renamed into place."""
+    path = ray_auth_token_file()
+    if path.resolve().is_relative_to(ROOT):
+        raise SystemExit(f"[flowstate] the Ray token file {path} would be inside the checkout {ROOT}; "
+                         "set XDG_STATE_HOME to a directory outside it")
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    path.parent.chmod(0o700)
+    staging = path.with_name(f".auth_token.{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    os.replace(staging, path)
+    return path
+
+
+def remove_ray_auth_token() -> None:
+    path = ray_auth_token_file()
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty (someone put a file there) or already gone
+        path.parent.rmdir()
+
+
+def embedded_ray_env(env: dict[str, str]) -> None:
+    """Token authentication for the embedded head and every client of it (the children inherit
+    ``env``), and Ray's single-machine mode: Ray otherwise swaps --node-ip-address=127.0.0.1 for the
+    machine's address and binds its servers there or on every interface."""
+    env.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = str(write_ray_auth_token())
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+def run_pids() -> set[int]:
+    """This supervisor's descendants (orphans are reparented to it) and every process carrying the
+    run's marker in its environment."""
+    pids = {child.pid for child in psutil.Process().children(recursive=True)}
+    return pids | set(proc.run_processes(OWNER))
+
+
+def serving_exception() -> set[tuple[str, int]]:
+    """The one listener allowed beyond loopback: the ASGI server on the FLOWSTATE_HOST the operator set."""
+    if not os.environ.get("FLOWSTATE_HOST") or listeners.is_loopback(HOST):
+        return set()
+    return {(address, PORT) for address in listeners.addresses_of(HOST)}
+
+
+def check_exposure() -> None:
+    bad = listeners.exposed(listeners.listening(run_pids()), allowed=serving_exception())
+    if bad:
+        raise SystemExit("[flowstate] refusing to run: listening beyond loopback: "
+                         + "; ".join(item.describe() for item in bad))
+
+
 def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
@@ -294,6 +374,7 @@ def main() -> int:
         # Orphans of our children (drivers, sandbox init processes) become ours, to stop and reap.
         proc.become_subreaper()
         start_children(children, env)
+        check_exposure()
         log(f"Flowstate is up on http://{HOST}:{PORT}  (Ctrl-C stops everything)")
         supervise(children, env)
     except StopRequested:
@@ -310,6 +391,7 @@ def main() -> int:
             for stale in ("ray_address", "run.pid"):
                 (STATE_DIR / stale).unlink(missing_ok=True)
             remove_ray_temp_dir()
+            remove_ray_auth_token()
             os.close(lock_fd)
     return 0
 
@@ -335,12 +417,17 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
     manage("migrate", "--no-input", "-v", "0", env=env)
     manage("seed_demo", env=env)
     if not env.get("RAY_ADDRESS"):
+        embedded_ray_env(env)
         ray_port = free_port()
         ray = Child(
             "ray head",
+            # Every server on loopback, on a port of its own (two runs on one machine never share
+            # the client server's or the dashboard agent's default port).
             [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
-             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_temp_dir()}",
-             "--node-ip-address=127.0.0.1", "--resources", '{"sandbox_slots": 64}'],
+             "--include-dashboard=false", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+             f"--temp-dir={ray_temp_dir()}", "--node-ip-address=127.0.0.1",
+             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+             "--resources", '{"sandbox_slots": 64}'],
             # Ray drains for 30 s on SIGTERM; nothing of ours runs there once the worker, the
             # fleet and the server are stopped, so its group gets SIGKILL after a second.
             stop_timeout=1.0,
@@ -350,7 +437,12 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
         wait_until(lambda: port_answers(ray_port), "ray head", 90)
         env["RAY_ADDRESS"] = f"127.0.0.1:{ray_port}"
         (STATE_DIR / "ray_address").write_text(env["RAY_ADDRESS"])
-    log(f"ray: {env['RAY_ADDRESS']}")
+        log(f"ray: {env['RAY_ADDRESS']} (token authentication; token file {env['RAY_AUTH_TOKEN_PATH']})")
+    else:
+        mode = env.get("RAY_AUTH_MODE", "unset")
+        log(f"ray: {env['RAY_ADDRESS']} (RAY_AUTH_MODE {mode})")
+        if mode != "token":
+            log("warning: RAY_AUTH_MODE is not 'token': whoever reaches that cluster can run code on it (docs/DEPLOY.md)")
     worker = Child(
         "celery worker",
         [sys.executable, "-m", "celery", "-A", "webapp", "worker", "--concurrency", "2", "--loglevel", "info", "-n", "flowstate@%h",
@@ -368,8 +460,12 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
 
 
 def supervise(children: list[Child], env: dict[str, str]) -> None:
+    checked_at = time.monotonic()
     while True:
         time.sleep(0.5)
+        if time.monotonic() - checked_at > EXPOSURE_CHECK_S:  # servers a child starts later (Ray workers)
+            check_exposure()
+            checked_at = time.monotonic()
         proc.reap_zombie_children([child.proc.pid for child in children if child.proc])
         for child in children:
             if child.proc and child.proc.poll() is not None:

@@ -53,7 +53,7 @@ def _process_name(pid: int) -> str:
     try:
         process = psutil.Process(pid)
         command = process.cmdline()
-        return " ".join(command)[:120] if command else process.name()
+        return " ".join(" ".join(command).split())[:120] if command else process.name()
     except psutil.Error:
         return "?"
 
