@@ -13,6 +13,10 @@ Defended, and tested here:
   variables, the host's processes and the platform's own files (test_host_secrets);
 * no network: host services on loopback (PostgreSQL, Redis, any port) and outside addresses are
   unreachable unless ``SandboxLimits.network`` is set (test_network);
+* with ``SandboxLimits.network`` (a repository's setup phase), public addresses only: the host's own
+  addresses (loopback or not), private, link-local, metadata and every other refused range of
+  ``sandboxes.netguard`` are rejected inside the sandbox's namespace, DNS goes to its forwarder only,
+  and the sandbox cannot lift the firewall (test_network_egress, test_netguard_table);
 * resource bombs are contained: fork bombs, memory bombs, disk fills and runaway CPU hit the
   sandbox's limits and the host keeps its headroom (test_resource_bombs);
 * sandboxes are isolated from each other: no seeing, signalling or reading another sandbox's
@@ -22,6 +26,7 @@ Defended, and tested here:
 
 Not defended: kernel vulnerabilities reachable through allowed system calls (there is no seccomp
 filter in the local backend), side channels (CPU caches, timing), and the memory a sandbox's
-tmpfs quota occupies counting against host RAM. ``network=True`` allows egress (slirp4netns NAT
-in the local backend) to anything the host can reach except its loopback services.
+tmpfs quota occupies counting against host RAM. ``network=True`` allows egress to public addresses,
+so a public address that the host's network maps to an internal service (a NAT rule, another machine
+of the deployment with a public address) is not told apart, and DNS queries reach the host's resolver.
 """
