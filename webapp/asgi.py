@@ -19,11 +19,14 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
 from webapp.accounts.ws_auth import NotFoundConsumer, SessionOrTokenAuthMiddleware  # noqa: E402
+from webapp.core.body_limit import RequestBodyLimit  # noqa: E402
 from webapp.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        # Bodies over MAX_REQUEST_BYTES (archive uploads: MAX_UPLOAD_REQUEST_BYTES) get 413 before Django
+        # spools them, signed in or not: see webapp.core.body_limit.
+        "http": RequestBodyLimit(django_asgi_app),
         # Origin check for cookie sessions only, refusals as close codes: see webapp.accounts.ws_auth.
         # Unknown paths end at NotFoundConsumer (4404) rather than an exception.
         "websocket": SessionOrTokenAuthMiddleware(

@@ -277,6 +277,11 @@ HEALTHZ_PROBE_TIMEOUT_S = 1.5
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_UPLOAD_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+# Request bodies (webapp.core.body_limit, around the whole ASGI app): a longer one is refused with 413
+# before it is read, declared or streamed, signed in or not. The archive upload endpoints take an archive
+# of up to MAX_UPLOAD_BYTES plus FLOWSTATE_UPLOAD_FORM_BYTES for the form's other fields and multipart framing.
+MAX_REQUEST_BYTES = env_int("FLOWSTATE_MAX_REQUEST_BYTES", 10 * 1024 * 1024, minimum=1024)
+MAX_UPLOAD_REQUEST_BYTES = MAX_UPLOAD_BYTES + env_int("FLOWSTATE_UPLOAD_FORM_BYTES", 1024 * 1024, minimum=1024)
 # Snapshots, uploads and dead sandboxes older than this are deleted by manage.py gc_sandboxes (which
 # every agent worker also runs every SANDBOX_GC_INTERVAL_S); anything a live task or sandbox uses is kept.
 SANDBOX_RETENTION_S = env_int("FLOWSTATE_SANDBOX_RETENTION_S", 3 * 24 * 3600, minimum=60)

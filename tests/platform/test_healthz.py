@@ -1,12 +1,13 @@
-"""/healthz reports every dependency as JSON, including ones that are down."""
+"""/healthz reports every dependency as JSON, including ones that are down (details: staff, see
+test_healthz_details)."""
 
 import pytest
 
 pytestmark = pytest.mark.django_db
 
 
-def test_healthz_reports_each_dependency(client, settings):
-    response = client.get("/healthz")
+def test_healthz_reports_each_dependency(admin_client, settings):
+    response = admin_client.get("/healthz")
     assert response.status_code == 200  # the database answers
     report = response.json()
     assert set(report["checks"]) == {"database", "redis", "celery", "ray", "sandbox_backend"}
@@ -16,24 +17,29 @@ def test_healthz_reports_each_dependency(client, settings):
         assert isinstance(check["detail"], str) and check["latency_ms"] >= 0
 
 
-def test_healthz_says_what_is_down(client, settings):
+def test_healthz_says_what_is_down(admin_client, settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
     settings.RAY_ADDRESS = "127.0.0.1:1"
-    report = client.get("/healthz").json()
+    report = admin_client.get("/healthz").json()
     assert report["ok"] is False
     assert report["checks"]["redis"]["ok"] is False and "Error" in report["checks"]["redis"]["detail"]
     assert report["checks"]["ray"]["ok"] is False
 
 
 @pytest.mark.django_db(transaction=True)
-def test_healthz_sees_a_real_worker(client, celery_worker_process):
-    celery = client.get("/healthz").json()["checks"]["celery"]
+def test_healthz_sees_a_real_worker(client, admin_client, celery_worker_process):
+    celery = admin_client.get("/healthz").json()["checks"]["celery"]
     assert celery["ok"] is True and celery["workers"]
+    response = client.get("/healthz")  # anonymous: up, but not which workers
+    assert response.json()["checks"]["celery"] == {"ok": True}
+    assert all(name not in response.content.decode() for name in celery["workers"])
 
 
 @pytest.mark.docker
-def test_healthz_reports_a_docker_runtime_that_is_configured_but_missing(client, settings):
+def test_healthz_reports_a_docker_runtime_that_is_configured_but_missing(admin_client, settings):
     import docker
+
+    client = admin_client
 
     try:
         docker.from_env(timeout=5).ping()

@@ -5,6 +5,9 @@ The probes run at once, each in its own daemon thread, and the report waits at m
 lock) is reported as not answering instead of hanging the request. Each probe also sets its own
 socket timeouts, so its thread ends soon after; while one is still waiting, later requests report it
 without starting another (a stalled dependency never piles up threads).
+
+Details (addresses, socket paths, worker names, error texts) are for operators: ``public_report`` is
+what anyone else sees, each component's ok/down only.
 """
 
 from __future__ import annotations
@@ -139,3 +142,9 @@ def health_report(*, timeout_s: float | None = None) -> dict:
             "latency_ms": round(timeout_s * 1000, 1)}
     down = sorted(name for name, check in checks.items() if not check["ok"])
     return {"ok": not down, "down": down, "checks": checks}
+
+
+def public_report(report: dict) -> dict:
+    """``report`` without details: overall ok, the names of the components down, and each one's ok."""
+    return {"ok": report["ok"], "down": list(report["down"]),
+            "checks": {name: {"ok": bool(check["ok"])} for name, check in report["checks"].items()}}

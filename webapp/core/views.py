@@ -7,7 +7,7 @@ from django.shortcuts import render
 from django.views.decorators.cache import never_cache
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from webapp.core.health import health_report
+from webapp.core.health import health_report, public_report
 from webapp.core.metrics import metrics_text
 from webapp.core.selectors_dashboard import dashboard_summary
 
@@ -19,10 +19,12 @@ def dashboard(request):
 
 @never_cache
 def healthz(request):
+    """Each dependency's state; its details (addresses, socket paths, worker names, errors) only for those
+    who may read /metrics (staff or the METRICS_TOKEN bearer), everyone else gets ok/down per component."""
     report = health_report()
     # Only the database is fatal for serving pages; the rest degrade features, shown in the body.
     status = 200 if report["checks"]["database"]["ok"] else 503
-    return JsonResponse(report, status=status)
+    return JsonResponse(report if _metrics_allowed(request) else public_report(report), status=status)
 
 
 def _metrics_allowed(request) -> bool:
