@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import importlib.util
+import ipaddress
 import json
 import os
 import shutil
@@ -49,7 +50,11 @@ def run():
             patch.delenv(name, raising=False)
         # The run's token file goes under the test's own state home, so it is found and removed with it.
         patch.setenv("XDG_STATE_HOME", str(checkout.parent / "state-home"))
-        started = start_run(checkout)
+        try:
+            started = start_run(checkout)
+        except BaseException:
+            shutil.rmtree(checkout.parent, ignore_errors=True)
+            raise
     try:
         yield started
     finally:
@@ -81,20 +86,24 @@ def _ray_listeners(run, marker: str, *, timeout: float = 90.0) -> list[Listener]
 def _local_target(listener: Listener) -> str:
     """Where to reach a socket without leaving this machine: loopback for a wildcard bind, else the
     bound address itself, which must be one of this machine's own."""
-    if listener.address in ("0.0.0.0", "::", "::ffff:0.0.0.0"):
-        return "127.0.0.1"
+    ip = ipaddress.ip_address(listener.address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
     own = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for addr in addrs}
-    assert listener.address in own, f"{listener.describe()} is bound to an address this machine lacks"
-    return f"[{listener.address}]" if ":" in listener.address else listener.address
+    assert ip.is_loopback or str(ip) in own, f"{listener.describe()} is bound to an address this machine lacks"
+    return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
 def test_nothing_of_the_run_listens_beyond_loopback(run):
     # The dashboard agent is among the last of Ray's servers to come up: wait for it.
-    _ray_listeners(run, "DashboardAgent")
+    assert _ray_listeners(run, "DashboardAgent"), "Ray's dashboard agent never came up:\n" + run.log()[-3000:]
     time.sleep(5)
     found = _listeners(run)
     print("listening:\n" + "\n".join(item.describe() for item in found))
-    assert any(item.port == run.port for item in found), "the ASGI server's own socket was not seen"
+    for server in (f"--port {run.port}", "gcs_server", "raylet", "DashboardAgent", "RuntimeEnv", "client.server"):
+        assert any(server in item.process for item in found), f"no socket of {server} seen: the check saw too little"
     exposed = [item.describe() for item in found if not is_loopback(item.address)]
     assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)
 
