@@ -52,6 +52,7 @@ from sandboxes.docker_runtime import (
     EXEC_MARK,
     GVISOR_KILL_TIMEOUT_S,
     gvisor_kill_command,
+    gvisor_rlimits,
     runtime_is_gvisor,
     runtime_missing,
     runtime_pids_overhead,
@@ -392,7 +393,7 @@ class DockerBackend(CoreBackend):
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(self.config.cpus * 1e9),
-                pids_limit=limits.max_processes + runtime_pids_overhead(self.gvisor),
+                pids_limit=limits.max_processes + runtime_pids_overhead(self.gvisor, limits.max_processes),
                 read_only=True,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
@@ -404,6 +405,8 @@ class DockerBackend(CoreBackend):
                     Ulimit(name="core", soft=0, hard=0),
                     Ulimit(name="nofile", soft=1024, hard=1024),
                     Ulimit(name="fsize", soft=limits.disk_mb * 2**20, hard=limits.disk_mb * 2**20),
+                    *(Ulimit(name=name, soft=value, hard=value) for name, value in
+                      (gvisor_rlimits(limits) if self.gvisor else {}).items()),
                 ],
             )
         except APIError as exc:

@@ -46,10 +46,14 @@ COUNT_LINGERING = (
 )
 """Counts the sandbox's processes still running ``sleep LINGER_S`` (python: no coreutils ``statx``)."""
 RUNSC_PIDS_OVERHEAD = 128
-"""Host tasks a runsc sandbox needs besides the agent's: its sentry and gofer threads and (ptrace
-platform) one stub per guest address space count against the container's pids cgroup. Measured on
-bookworm's runsc: 58 host tasks for an idle sandbox, 71 during one exec; under the plain
-``max_processes`` limit of 64 the sentry cannot start threads and the sandbox dies at its first exec."""
+"""Host tasks a runsc sandbox needs besides those that grow with the guest's processes: its sentry and
+gofer threads count against the container's pids cgroup (58 host tasks for an idle sandbox, 71
+during one exec). Past the pids limit the sentry cannot start a thread and the whole sandbox dies."""
+RUNSC_PIDS_PER_PROCESS = 2
+"""Host tasks allowed per guest process on top of ``RUNSC_PIDS_OVERHEAD``: the platform keeps host stub
+tasks for the guest's address spaces, so a fork bomb capped at ``max_processes`` (``RLIMIT_NPROC``)
+still multiplies host tasks. Measured with ``max_processes=64``: a fork bomb killed the sandbox with
+128 host tasks to spare and left it alive, three times in three, with 256."""
 
 
 EXEC_MARK = "FLOWSTATE_EXEC"
@@ -128,9 +132,19 @@ def runtime_is_gvisor(client, runtime: str) -> bool:
     return os.path.basename(str(entry.get("path") or runtime)) == "runsc"
 
 
-def runtime_pids_overhead(gvisor: bool) -> int:
-    """Host tasks added to a container's pids limit for the runtime's own threads."""
-    return RUNSC_PIDS_OVERHEAD if gvisor else 0
+def gvisor_rlimits(limits: SandboxLimits) -> dict[str, int]:
+    """Per-process limits (``setrlimit`` names, for Docker ``ulimits``) added under gVisor, where the
+    host's cgroups see only the sentry: over the memory cgroup the host kernel kills the sentry (the
+    whole sandbox) and past the pids cgroup the sentry cannot start threads and dies. gVisor enforces
+    ``RLIMIT_AS`` and ``RLIMIT_NPROC`` itself, per process and per sandbox-kernel uid, so one greedy
+    process gets ``MemoryError`` and a fork bomb gets ``EAGAIN`` inside the sandbox, as under runc.
+    (Under runc ``RLIMIT_NPROC`` would count the uid's processes on the whole host, so it is not set.)"""
+    return {"as": limits.memory_mb * 2**20, "nproc": limits.max_processes}
+
+
+def runtime_pids_overhead(gvisor: bool, max_processes: int) -> int:
+    """Host tasks added to a container's pids limit for the runtime's own threads and stubs."""
+    return RUNSC_PIDS_OVERHEAD + RUNSC_PIDS_PER_PROCESS * max_processes if gvisor else 0
 
 
 def runtime_self_test(backend: DockerBackend) -> None:

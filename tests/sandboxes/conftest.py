@@ -56,9 +56,10 @@ def _traversable_tempdir(prefix: str) -> Path:
 def sandbox_backend(request) -> SandboxBackend:
     """A backend instance with its own state directory; docker params skip with the reason.
 
-    ``docker-runsc`` is the Docker backend under gVisor: it skips with the backend's own refusal when
-    the engine has no ``runsc`` runtime or the runtime fails the backend's start-up self-test (the
-    measured reason, e.g. Debian bookworm's runsc rejects coreutils' ``statx``).
+    ``docker-runsc`` is the Docker backend under gVisor (``make gvisor`` installs and registers it):
+    it skips with the backend's own refusal when the engine has no ``runsc`` runtime or the runtime
+    fails the backend's start-up self-test (e.g. Debian bookworm's runsc rejects coreutils' ``statx``).
+    A test that cannot hold under gVisor skips there with the measured reason (``under_gvisor``).
     """
     root = _traversable_tempdir(f"flowstate-{request.param}-")
     if request.param == "local":
@@ -112,6 +113,11 @@ def sandbox(sandbox_backend, make_snapshot):
     box = sandbox_backend.sandbox_create(snapshot=snapshot, limits=TEST_LIMITS)
     yield box
     box.destroy()
+
+
+def under_gvisor(backend: SandboxBackend) -> bool:
+    """Whether ``backend`` runs its sandboxes under gVisor (the ``docker-runsc`` parameter)."""
+    return bool(getattr(backend, "gvisor", False))
 
 
 def host_is_healthy() -> None:

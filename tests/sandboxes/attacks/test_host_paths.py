@@ -27,7 +27,7 @@ def test_setup_commands_see_no_host_path_and_still_write_the_snapshot(sandbox_ba
     (repo / "pkg" / "old.txt").write_text("old\n")
     (repo / "gone.txt").write_text("x\n")
     probe = ("{ cat /proc/self/mountinfo /proc/1/mountinfo; tr '\\0' '\\n' < /proc/self/environ; "
-             "for p in /proc/[0-9]*; do readlink $p/cwd $p/root $p/exe; done; } > probe.txt 2>&1")
+             "for p in /proc/[0-9]*; do readlink $p/cwd $p/root $p/exe; done; true; } > probe.txt 2>&1")
     snapshot = sandbox_backend.snapshot_create(
         source=RepoSource(kind="path", location=str(repo)),
         setup_commands=(probe, "rm gone.txt && mkdir -p build/out && echo built > build/out/a.txt && "
