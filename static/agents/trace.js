@@ -1,6 +1,8 @@
 /* Flowstate trace view: renders the events of one agent run, live over a resumable websocket or
- * from the REST API. Turns render lazily (only when scrolled into view), so 5,000 events stay fast.
- * Event format: see training/agent/loop.py. */
+ * from the REST API. A turn's body is built when its section comes within MARGIN px of the viewport (in
+ * the frame of the scroll or event that brought it there), so 5,000 events stay fast. While the run is
+ * live and the end of the timeline is in view, the view follows the newest event like a terminal;
+ * scrolled up, it offers "jump to latest". Event format: see training/agent/loop.py. */
 (function () {
   "use strict";
 
@@ -15,16 +17,29 @@
     return node;
   }
 
+  const MARGIN = 600;  // px beyond the viewport whose turns are built ahead of the scroll
+  const FOLLOW_SLACK = 80;  // px: the end of the timeline this close to the viewport's bottom counts as "at the end"
+  const LIVE = ["queued", "running", "verifying"];
   const OUTCOMES = { tests_pass: "tests pass", tests_fail: "tests fail", no_tests: "no tests", error: "tests could not run" };
   // The loop stopping on its own is not success: the verification below says whether the tests pass.
   function finalLabel(status) { return status === "succeeded" ? "agent finished" : status; }
   function fmtTokens(n) { return n >= 10000 ? (n / 1000).toFixed(1) + "k" : String(n); }
   function fmtSeconds(s) { return s >= 60 ? Math.floor(s / 60) + "m" + String(Math.round(s % 60)).padStart(2, "0") + "s" : s.toFixed(1) + "s"; }
 
-  function simpleDiff(path, oldText, newText) {
-    const minus = (oldText || "").split("\n").map((l) => "-" + l);
-    const plus = (newText || "").split("\n").map((l) => "+" + l);
-    return `--- a/${path}\n+++ b/${path}\n@@ -1,${minus.length} +1,${plus.length} @@\n${minus.join("\n")}\n${plus.join("\n")}\n`;
+  function diffLines(text, sign) {
+    if (!text) return [];
+    return text.replace(/\n$/, "").split("\n").map((l) => sign + l);
+  }
+
+  // A one-hunk diff of an edit whose first line is ``line`` in the file (the tool reports it once the edit
+  // ran; before that it is unknown and the hunk starts at 1). Unified-diff convention: an empty side
+  // starts at the line before.
+  function simpleDiff(path, oldText, newText, line) {
+    const at = line || 1;
+    const minus = diffLines(oldText, "-"), plus = diffLines(newText, "+");
+    const side = (n) => `${n ? at : at - 1},${n}`;
+    const body = minus.concat(plus).join("\n");
+    return `--- a/${path}\n+++ b/${path}\n@@ -${side(minus.length)} +${side(plus.length)} @@\n${body}\n`;
   }
 
   function renderDiff(container, diffText) {
@@ -46,6 +61,7 @@
       this.events = [];
       this.lastSeq = -1;
       this.turns = new Map();
+      this.sections = [];  // turns in timeline order (their sections' tops only grow along it)
       this.segment = 0;  // user turns after the first prompt: each follow-up starts a new segment
       this.calls = new Map();
       this.status = options.status || "queued";
@@ -63,9 +79,18 @@
       this.statusBadge = root.querySelector("[data-role=status]");
       this.connection = root.querySelector("[data-role=connection]");
       this.progress = root.querySelector("[data-role=progress]");
-      this.observer = new IntersectionObserver((entries) => {
-        for (const entry of entries) if (entry.isIntersecting) this.renderTurnBody(entry.target.dataset.turn);
-      }, { rootMargin: "600px" });
+      this.reasonLine = root.querySelector("[data-role=reason]");
+      // Events replayed from the backlog describe the past: until the server's status message, they
+      // do not change the status the page was rendered with.
+      this.replaying = true;
+      this.following = LIVE.includes(this.status);
+      this.lastScrollY = window.scrollY;
+      this.framePending = false;
+      this.jump = el("button", { type: "button", cls: "jump-latest", "data-role": "jump-latest", text: "Jump to latest ↓", hidden: "" });
+      this.jump.addEventListener("click", () => { this.following = true; this.frame(); });
+      root.appendChild(this.jump);
+      window.addEventListener("scroll", () => this.onScroll(), { passive: true });
+      window.addEventListener("resize", () => this.scheduleFrame());
       this.setStatus(this.status, options.reason || "");
       setInterval(() => this.renderCounters(), 1000);
     }
@@ -90,6 +115,7 @@
       turn.events.push(event);
       this.updateTurnHeader(turn);
       if (turn.rendered) this.renderEvent(turn, event);
+      this.scheduleFrame();
     }
 
     // Section keys: "start", "user-<seq>" (a follow-up), "<turn>", "result-<segment>" (final + tests of each run).
@@ -107,7 +133,7 @@
         this.timeline.appendChild(section);
         turn = { key, section, header, body, events: [], rendered: false, group: null };
         this.turns.set(key, turn);
-        this.observer.observe(section);
+        this.sections.push(turn);
       }
       return turn;
     }
@@ -135,8 +161,66 @@
       const turn = this.turns.get(key);
       if (!turn || turn.rendered) return;
       turn.rendered = true;
-      this.observer.unobserve(turn.section);
       for (const event of turn.events) this.renderEvent(turn, event);
+    }
+
+    // --- viewport: build what is in view, follow the newest event ---
+    scheduleFrame() {
+      if (this.framePending) return;
+      this.framePending = true;
+      requestAnimationFrame(() => { this.framePending = false; this.frame(); });
+    }
+
+    frame() {
+      if (this.following) this.stick();
+      this.renderVisible();
+      if (this.following) this.stick();  // the bodies just built may have pushed the end down again
+      this.updateJump();
+    }
+
+    onScroll() {
+      // Scrolling up away from the end stops following; reaching the end again resumes it. Growth of
+      // the page (new events, bodies built above) never scrolls up, so it cannot stop following.
+      const y = window.scrollY;
+      if (y < this.lastScrollY - 2 && !this.endInView()) this.following = false;
+      else if (this.endInView() && LIVE.includes(this.status)) this.following = true;
+      this.lastScrollY = y;
+      this.frame();
+    }
+
+    timelineBottom() { return this.timeline.getBoundingClientRect().bottom; }
+
+    endInView() { return this.timelineBottom() <= window.innerHeight + FOLLOW_SLACK; }
+
+    // Scroll down until the end of the timeline is in view; never up (the user may be below it, typing).
+    stick() {
+      const below = this.timelineBottom() - window.innerHeight + 16;
+      if (below > 0) { window.scrollBy(0, below); this.lastScrollY = window.scrollY; }
+    }
+
+    updateJump() {
+      this.jump.hidden = this.following || !LIVE.includes(this.status) || this.endInView();
+    }
+
+    // Build every turn whose section lies within MARGIN px of the viewport, repeating while building
+    // moves further sections into that band; the first candidate is found by binary search.
+    renderVisible() {
+      const list = this.sections;
+      for (let pass = 0; pass < 8 && list.length; pass += 1) {
+        const top = -MARGIN, bottom = window.innerHeight + MARGIN;
+        let lo = 0, hi = list.length - 1;
+        while (lo < hi) {
+          const mid = (lo + hi) >> 1;
+          if (list[mid].section.getBoundingClientRect().bottom < top) lo = mid + 1; else hi = mid;
+        }
+        const due = [];
+        for (let i = lo; i < list.length; i += 1) {
+          if (list[i].section.getBoundingClientRect().top > bottom) break;
+          if (!list[i].rendered) due.push(list[i]);
+        }
+        if (!due.length) return;
+        for (const turn of due) this.renderTurnBody(turn.key);
+      }
     }
 
     // --- rendering ---
@@ -167,6 +251,7 @@
           card.appendChild(el("div", { cls: "tool-head" }, [el("span", { cls: "tool-name", text: p.name }), el("span", { cls: "muted spinner-small", text: " running…" })]));
           card.appendChild(this.renderArguments(p.name, p.arguments));
           turn.group.appendChild(card);
+          card.toolArgs = p.arguments;
           this.calls.set(p.call_id + ":" + turn.key, card);
           break;
         }
@@ -204,11 +289,7 @@
       if (typeof args === "string") return el("pre", { cls: "args bad", text: args });
       args = args || {};
       if (name === "run_terminal") return el("pre", { cls: "args cmd", text: "$ " + (args.command || "") });
-      if (name === "edit_file") {
-        const box = el("div", { cls: "args" }, [el("div", { cls: "muted", text: args.path || "" })]);
-        renderDiff(box, simpleDiff(args.path || "file", args.old_str ?? "", args.new_str ?? ""));
-        return box;
-      }
+      if (name === "edit_file") return this.editBox(args, 0);
       if (name === "replace_lines") {
         const where = `${args.path || ""} lines ${args.start_line ?? "?"}-${args.end_line ?? "?"}`;
         return el("div", { cls: "args" }, [el("div", { cls: "muted", text: where }), el("pre", { cls: "mono", text: args.new_text ?? "" })]);
@@ -223,8 +304,18 @@
       return el("pre", { cls: "args", text: summary });
     }
 
+    editBox(args, line) {
+      const where = line ? `${args.path || ""} from line ${line}` : args.path || "";
+      const box = el("div", { cls: "args", "data-role": "edit-diff" }, [el("div", { cls: "muted", text: where })]);
+      renderDiff(box, simpleDiff(args.path || "file", args.old_str ?? "", args.new_str ?? "", line));
+      return box;
+    }
+
     renderResult(card, event) {
       const p = event.payload || {};
+      // The edit's line in the file is known once it ran: its diff is numbered from there.
+      const edited = card.querySelector("[data-role=edit-diff]");
+      if (edited && p.ok && p.meta && p.meta.line && card.toolArgs) edited.replaceWith(this.editBox(card.toolArgs, p.meta.line));
       const head = card.querySelector(".spinner-small");
       if (head) head.textContent = ` ${p.ok ? "ok" : "failed"} · ${fmtSeconds(p.duration_s || 0)}`;
       if (head) head.className = p.ok ? "ok" : "bad";
@@ -253,7 +344,7 @@
       // The previous result stays in the timeline; the panel below follows the newest run.
       if (this.finalPanel) this.finalPanel.replaceChildren(el("div", { cls: "muted", text: "The agent continues after your follow-up…" }));
       this.finalPanel && this.finalPanel.removeAttribute("hidden");
-      if (this.status !== "queued" && this.status !== "running") this.setStatus("running", "follow-up");
+      if (!this.replaying && this.status !== "queued" && this.status !== "running") this.setStatus("running", "follow-up");
     }
 
     renderFinal(event) {
@@ -268,6 +359,7 @@
       this.finalPanel.appendChild(diffBox);
       renderDiff(diffBox, p.diff);
       // A live task that stopped normally now runs its tests; the server's status message ends it.
+      if (this.replaying) return;
       if (p.status === "succeeded" && this.status === "running") this.setStatus("verifying", "running the repository's tests");
       else this.setStatus(p.status, p.reason);
     }
@@ -300,9 +392,11 @@
       if (this.statusBadge) { this.statusBadge.textContent = shown; this.statusBadge.className = `badge ${status} ${this.outcome}`; this.statusBadge.title = reason || ""; }
       if (this.progress) this.progress.hidden = !(status === "running" || status === "queued");
       this.root.dataset.status = status;
-      // Page actions that only apply to a finished task (create branch) follow the live status.
-      const finished = status === "succeeded" || status === "failed" || status === "cancelled";
-      for (const form of document.querySelectorAll("[data-role=branch-form]")) form.hidden = !finished;
+      if (this.reasonLine) { this.reasonLine.textContent = reason || ""; this.reasonLine.hidden = !reason; }
+      // Page actions (cancel, create branch) and notes ("Task 3 queued.") follow the live status.
+      if (window.flowstateControls) window.flowstateControls.apply(status);
+      if (!LIVE.includes(status)) this.following = false;
+      if (this.jump) this.updateJump();
       this.renderCounters();
     }
 
@@ -328,7 +422,7 @@
       socket.onmessage = (message) => {
         const data = JSON.parse(message.data);
         if (data.type === "events") for (const event of data.events) this.add(event);
-        else if (data.type === "status") this.setStatus(data.status, data.reason);
+        else if (data.type === "status") { this.replaying = false; this.setStatus(data.status, data.reason); this.scheduleFrame(); }
       };
       socket.onclose = (closeEvent) => {
         if (this.socket !== socket) return;

@@ -12,6 +12,7 @@ product verification (webapp.agents.verify) reuse the recipe; mining forks the p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -46,11 +47,23 @@ class PreparedEnvironment:
 
 
 class _Log:
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[str, str], None] | None = None) -> None:
         self.parts: list[str] = []
+        self.current = ""
+        self.on_change = on_change
 
     def add(self, text: str) -> None:
         self.parts.append(text.rstrip() + "\n")
+        self._notify()
+
+    def step(self, label: str) -> None:
+        """The step that starts now, in words (a page showing the setup live names it)."""
+        self.current = label
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.text(), self.current)
 
     def text(self) -> str:
         joined = "".join(self.parts)
@@ -126,15 +139,19 @@ def _delete(backend, snapshot) -> None:
 
 
 def environment_prepare(
-    *, backend, source, budget: SetupBudget | None = None, recipe: InstallRecipe | None = None
+    *, backend, source, budget: SetupBudget | None = None, recipe: InstallRecipe | None = None,
+    on_log: Callable[[str, str], None] | None = None,
 ) -> PreparedEnvironment | InstallFailure:
-    """Detect (or take ``recipe``), set up under ``budget`` and run the baseline; the environment or why not."""
+    """Detect (or take ``recipe``), set up under ``budget`` and run the baseline; the environment or why not.
+
+    ``on_log(log so far, current step)`` is called as each step starts and as each entry is logged."""
     from sandboxes.base import BackendUnavailable, SandboxError, SnapshotError
 
     budget = budget or SetupBudget()
-    log = _Log()
+    log = _Log(on_log)
     paths: list[str] = []
     if recipe is None:
+        log.step("fetching the repository and detecting its recipe")
         detected = _detect(backend=backend, source=source, network=budget.network, log=log)
         if isinstance(detected, InstallFailure):
             return detected
@@ -145,6 +162,7 @@ def environment_prepare(
     log.add("setup (network " + ("on" if budget.network else "off") + f", {budget.setup_timeout_s:.0f}s per command, "
             f"{budget.setup_disk_mb} MB disk):\n" + "\n".join(f"$ {c}" for c in recipe.setup_commands))
     started = time.monotonic()
+    log.step("running the setup commands")
     try:
         snapshot = backend.snapshot_create(source=source, setup_commands=recipe.setup_commands,
                                            setup_limits=setup_limits(budget))
@@ -160,6 +178,7 @@ def environment_prepare(
                       "in the sandbox image, or turn the setup network on)")
         return InstallFailure(stage="install", reason=reason, output_tail=str(error)[-2000:], log=log.text())
     log.add(f"setup done in {time.monotonic() - started:.1f}s")
+    log.step("running the test suite on the clean repository")
     sandbox = backend.sandbox_create(snapshot=snapshot, limits=baseline_limits(budget.test_timeout_s))
     try:
         if not paths:

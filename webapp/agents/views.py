@@ -99,7 +99,8 @@ def task_list(request):
             except ValidationError as exc:
                 form_add_service_error(form, exc, field_names=TASK_FORM_FIELD_NAMES)
             else:
-                messages.success(request, f"Task {task.pk} queued.")
+                # Tagged with the state it describes: the live page drops it once the task moves on.
+                messages.success(request, f"Task {task.pk} queued.", extra_tags="while-queued")
                 return redirect("agents:task-detail", pk=task.pk)
     else:
         form = TaskSubmitForm(user=request.user)
@@ -152,8 +153,11 @@ def task_index_progress(request, pk: int):
 def task_cancel(request, pk: int):
     task = owned_get_for_change(queryset=AgentTask.objects.all(), user=request.user, pk=pk)
     try:
-        services.task_cancel(task=task, user=request.user)
-        messages.info(request, f"Cancellation of task {task.pk} requested.")
+        task = services.task_cancel(task=task, user=request.user)
+        if task.is_finished:
+            messages.info(request, f"Task {task.pk} cancelled.")
+        else:
+            messages.info(request, f"Cancellation of task {task.pk} requested.", extra_tags="while-running")
     except ValidationError as exc:
         message_add_service_error(request, exc)
     return redirect("agents:task-detail", pk=pk)

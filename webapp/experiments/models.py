@@ -178,6 +178,7 @@ class RepositoryRecipe(models.Model):
         default=dict, blank=True, help_text="Stage and reason when it cannot be set up."
     )
     log = models.TextField(blank=True, help_text="Each setup step and the baseline run, with their output.")
+    step = models.CharField(max_length=200, blank=True, help_text="The setup step running now, in words.")
     budget = models.JSONField(default=dict, blank=True, help_text="SetupBudget fields of the last setup.")
     edited = models.BooleanField(default=False, help_text="The recipe was written by the user, not detected.")
     snapshot = models.JSONField(

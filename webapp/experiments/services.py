@@ -111,13 +111,23 @@ def experiment_clone(
     )
 
 
+EXPERIMENT_ACTION_STATES = {
+    "pause": (Experiment.Status.QUEUED, Experiment.Status.RUNNING),
+    "resume": (Experiment.Status.PAUSED, Experiment.Status.FAILED),
+    "cancel": (Experiment.Status.QUEUED, Experiment.Status.RUNNING, Experiment.Status.PAUSED, Experiment.Status.FAILED),
+}
+"""The statuses in which each control is accepted; the detail page offers a control only in these."""
+
+
 @transaction.atomic
 def experiment_pause(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
-    if experiment.status not in Experiment.ACTIVE:
+    if experiment.status not in EXPERIMENT_ACTION_STATES["pause"]:
         raise ValidationError(
             f"only a queued or running experiment can be paused; this one is {experiment.status}", code=CONFLICT
         )
+    if experiment.pause_requested and experiment.status == Experiment.Status.RUNNING:
+        raise ValidationError("a pause is already requested; the driver stops at its next step", code=CONFLICT)
     experiment.pause_requested = True
     experiment.save(update_fields=["pause_requested"])
     _publish(experiment, {"kind": "notice", "text": "pause requested"})
@@ -127,7 +137,7 @@ def experiment_pause(*, experiment: Experiment) -> Experiment:
 @transaction.atomic
 def experiment_resume(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
-    if experiment.status not in (Experiment.Status.PAUSED, Experiment.Status.FAILED):
+    if experiment.status not in EXPERIMENT_ACTION_STATES["resume"]:
         raise ValidationError(
             f"only a paused or failed experiment can be resumed; this one is {experiment.status}", code=CONFLICT
         )
@@ -143,8 +153,10 @@ def experiment_resume(*, experiment: Experiment) -> Experiment:
 @transaction.atomic
 def experiment_cancel(*, experiment: Experiment) -> Experiment:
     experiment = Experiment.objects.select_for_update().get(pk=experiment.pk)
-    if experiment.status in (Experiment.Status.CANCELLED, Experiment.Status.FINISHED):
+    if experiment.status not in EXPERIMENT_ACTION_STATES["cancel"]:
         raise ValidationError(f"the experiment is already {experiment.status}", code=CONFLICT)
+    if experiment.cancel_requested and experiment.status == Experiment.Status.RUNNING:
+        raise ValidationError("cancellation is already requested; the driver stops at its next step", code=CONFLICT)
     experiment.cancel_requested = True
     fields = ["cancel_requested"]
     if experiment.status != Experiment.Status.RUNNING:

@@ -109,6 +109,7 @@ def experiment_detail_view(request, pk: int):
             "groups": experiment_groups(experiment=experiment),
             "checkpoints": experiment.checkpoints.all(),
             "evaluate_form": EvaluateForm(user=request.user),
+            "action_states": {name: " ".join(states) for name, states in services.EXPERIMENT_ACTION_STATES.items()},
         },
     )
 

@@ -17,7 +17,7 @@ from webapp.agents.api import TeamNameField
 from webapp.agents.models import Repository
 from webapp.core.api import InputSerializer
 from webapp.core.selectors import owned_get_for_change
-from webapp.mining import selectors, services
+from webapp.mining import presenters, selectors, services
 from webapp.mining.models import MinedTask, TaskSet
 
 
@@ -101,10 +101,12 @@ class RepositoryEnvironmentApi(APIView):
     def get(self, request, pk: int):
         repository = agent_selectors.repository_get(user=request.user, pk=pk)
         recipe = selectors.repository_recipe(repository=repository)
+        # "state": the same words the environment page shows (current step, elapsed time, failure, next step).
         if recipe is None:
-            return Response({"status": "not set up"})
+            return Response({"status": "not set up", "state": presenters.environment_state(None)})
         return Response({"status": recipe.status, "recipe": recipe.recipe, "failure": recipe.failure,
-                         "edited": recipe.edited, "budget": recipe.budget, "log": recipe.log})
+                         "edited": recipe.edited, "budget": recipe.budget, "log": recipe.log,
+                         "state": presenters.environment_state(recipe)})
 
     @extend_schema(summary="Set the environment up (owner only): detect, or the recipe given", request=RepositoryEnvironmentInput,
                    responses={202: dict})

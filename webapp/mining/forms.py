@@ -9,7 +9,10 @@ class RecipeForm(forms.Form):
     setup_commands = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 4}), required=False, max_length=20_000,
         help_text="One command per line, run once when the snapshot is built (network on when REPO_SETUP_NETWORK).")
-    test_command = forms.CharField(max_length=1000, help_text="Runs the whole suite verbosely from the repository root.")
+    # Not required by the browser: "Detect and set up" posts this form to fill the recipe itself; saving a
+    # recipe of one's own checks for a test command on the server (repository_setup).
+    test_command = forms.CharField(max_length=1000, required=False,
+                                   help_text="Runs the whole suite verbosely from the repository root.")
     runner = forms.ChoiceField(choices=(("pytest", "pytest (-rA output)"), ("unittest", "unittest (-v output)")))
 
 

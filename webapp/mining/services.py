@@ -24,6 +24,7 @@ from django.utils import timezone
 from webapp.core.validation import CONFLICT
 from webapp.experiments.models import RepositoryRecipe
 from webapp.mining.models import MinedTask, TaskSet
+from webapp.mining.presenters import rejected_text
 
 if TYPE_CHECKING:
     from sandboxes.base import SandboxLimits
@@ -172,11 +173,17 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
         given = InstallRecipe.from_dict({k: v for k, v in recipe_row.recipe.items()
                                          if k in InstallRecipe.__dataclass_fields__})
     budget = setup_budget()
-    RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(status=RepositoryRecipe.Status.RUNNING,
-                                                             budget=dataclasses.asdict(budget))
+    # updated_at marks the start: the page counts the elapsed time from it and shows the log as it grows.
+    RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(status=RepositoryRecipe.Status.RUNNING, log="", step="",
+                                                             budget=dataclasses.asdict(budget), updated_at=timezone.now())
+
+    def on_log(text: str, step: str) -> None:
+        RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(log=text, step=step[:200])
+
     backend = get_backend(settings.SANDBOX_BACKEND)
     try:
-        outcome = environment_prepare(backend=backend, source=_source(repository), budget=budget, recipe=given)
+        outcome = environment_prepare(backend=backend, source=_source(repository), budget=budget, recipe=given,
+                                      on_log=on_log)
     except Exception as error:  # stored so the page says why; the worker log has the traceback
         logger.exception("setup of repository %s failed", repository.pk)
         outcome = None
@@ -193,7 +200,7 @@ def repository_setup_run(*, repository) -> RepositoryRecipe:
                   "snapshot": {}}
         if not recipe_row.edited:
             fields["recipe"] = {}
-    RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(**fields, updated_at=timezone.now())
+    RepositoryRecipe.objects.filter(pk=recipe_row.pk).update(**fields, step="", updated_at=timezone.now())
     _kept_snapshot_release(backend=backend, stored=recipe_row.snapshot, keep_id=fields["snapshot"].get("id", ""))
     recipe_row.refresh_from_db()
     return recipe_row
@@ -365,7 +372,8 @@ def _task_set_store(*, task_set_id: int, result, recipe, commit: str, setup_s: f
         return TaskSet.objects.get(pk=task_set_id)
     if not result.tasks:
         _finish(task_set_id, status=TaskSet.Status.FAILED, stats=stats,
-                status_reason=f"no candidate validated ({result.tried} tried: {dict(result.rejected)})")
+                status_reason=f"no candidate validated ({result.tried} tried; "
+                              f"rejected: {rejected_text(result.rejected) or 'none'})")
         return TaskSet.objects.get(pk=task_set_id)
     with transaction.atomic():
         task_set = TaskSet.objects.select_for_update().get(pk=task_set_id)
