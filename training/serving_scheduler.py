@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+_NOBODY = object()
 
 
 class FairAdmission(Generic[T]):
@@ -84,7 +85,7 @@ class FairAdmission(Generic[T]):
         while True:
             free = self.max_slots - sum(self._holding.values())
             owner = self._next_owner(free)
-            if owner is None:
+            if owner is _NOBODY:
                 return
             queue = self._waiting.pop(owner)  # re-inserted last: served most recently
             request = queue.popleft()
@@ -93,16 +94,17 @@ class FairAdmission(Generic[T]):
             self._holding[owner] += 1
             yield owner, request
 
-    def _next_owner(self, free: int) -> Hashable | None:
+    def _next_owner(self, free: int) -> Hashable:
+        """The owner to serve next, or _NOBODY (None is an owner: in-process callers)."""
         if free <= 0:
-            return None
-        best = None
-        for owner in self._waiting:  # least recently served first, so min() keeps the round-robin order
+            return _NOBODY
+        best, best_held = _NOBODY, 0
+        for owner in self._waiting:  # least recently served first, so a strict < keeps the round-robin order
             held = self._holding.get(owner, 0)
             if held and free <= self._reserved:
                 continue
-            if best is None or held < self._holding.get(best, 0):
-                best = owner
+            if best is _NOBODY or held < best_held:
+                best, best_held = owner, held
         return best
 
     def drain(self) -> list[T]:
