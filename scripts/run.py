@@ -421,14 +421,12 @@ def start_children(children: list[Child], env: dict[str, str]) -> None:
         ray_port = free_port()
         ray = Child(
             "ray head",
-            # Every server on loopback, on a port of its own: two runs on one machine never share
-            # the client server's or the dashboard agent's default port, and the raylet, told its
-            # agents' ports, does not abort when a loaded machine starts them slower than it waits.
+            # Every server on loopback; the client server and the dashboard agent on ports of their
+            # own (two runs on one machine never share their fixed default ports).
             [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={ray_port}", "--num-cpus=2",
              "--include-dashboard=false", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
              f"--temp-dir={ray_temp_dir()}", "--node-ip-address=127.0.0.1",
              f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-             f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
              "--resources", '{"sandbox_slots": 64}'],
             # Ray drains for 30 s on SIGTERM; nothing of ours runs there once the worker, the
             # fleet and the server are stopped, so its group gets SIGKILL after a second.
