@@ -6,8 +6,12 @@ each component opened with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` (`
 kernel refuses any lookup that would pass through a symlink or leave the destination. Symlink
 members are written as links and never followed during extraction; hard-link members may only point
 at a regular file extracted earlier from the same archive (same inode as recorded). Devices, fifos,
-too many members and too many bytes (declared or actual) raise ``ArchiveRejected`` naming the
-member; a corrupt or truncated archive raises ``ArchiveRejected`` too, never a library exception.
+too many members (the directories their paths imply included), members deeper than
+``ArchiveLimits.max_depth`` path components (deeper trees are what broke recursive walks of
+snapshots) and too many bytes (declared or actual) raise ``ArchiveRejected`` naming the member; a
+corrupt or truncated archive raises ``ArchiveRejected`` too, never a library exception.
+``inspect_archive`` runs the same member checks without writing anything: the web app's check of
+an upload at submission, so what extraction would refuse is refused there first.
 
 When the caller runs as root and names an unprivileged ``run_as`` owner, extraction happens in a
 process under that uid (no capabilities, no new privileges, bounded address space and CPU time)
@@ -27,7 +31,7 @@ import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
@@ -37,6 +41,12 @@ from sandboxes.safe_fs import open_beneath
 
 logger = logging.getLogger(__name__)
 MAX_LINK_TARGET = 4096
+
+
+def _configured_depth() -> int:
+    from sandboxes.settings import current
+
+    return current().archive_max_depth
 
 
 @dataclass(frozen=True)
@@ -49,9 +59,12 @@ class ArchiveLimits:
     """Most uncompressed bytes across all members."""
     max_member_bytes: int = 256 * 1024 * 1024
     """Most uncompressed bytes in one member."""
+    max_depth: int = field(default_factory=_configured_depth)
+    """Most path components in a member's name (``a/b/c.py`` has 3); the deployment's
+    ``FLOWSTATE_ARCHIVE_MAX_DEPTH`` (``sandboxes.settings``), 64 unless set."""
 
     def __post_init__(self) -> None:
-        if min(self.max_members, self.max_total_bytes, self.max_member_bytes) <= 0:
+        if min(self.max_members, self.max_total_bytes, self.max_member_bytes, self.max_depth) <= 0:
             raise ValueError("ArchiveLimits fields must all be positive")
         if self.max_member_bytes > self.max_total_bytes:
             raise ValueError("ArchiveLimits.max_member_bytes cannot exceed max_total_bytes; lower it")
@@ -68,14 +81,19 @@ class _Member:
     opener: Callable[[], IO[bytes]] | None = None
 
 
+def _shown(name: str) -> str:
+    """A member name for a message: hostile names can be kilobytes long."""
+    return repr(name) if len(name) <= 160 else repr(f"{name[:80]}...{name[-60:]}")
+
+
 def _check_name(name: str) -> str:
     if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        raise ArchiveRejected(f"archive member {name!r} has an absolute path")
+        raise ArchiveRejected(f"archive member {_shown(name)} has an absolute path")
     if "\x00" in name:
-        raise ArchiveRejected(f"archive member {name!r} contains a NUL byte")
+        raise ArchiveRejected(f"archive member {_shown(name)} contains a NUL byte")
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise ArchiveRejected(f"archive member {name!r} contains '..'")
+        raise ArchiveRejected(f"archive member {_shown(name)} contains '..', which escapes the archive")
     return "/".join(parts)
 
 
@@ -83,10 +101,11 @@ def _check_link(member: str, target: str) -> None:
     # Not the defence (links are never followed while extracting); it keeps obviously hostile
     # links out of the workspace the agent later reads.
     if not target or target.startswith("/") or "\x00" in target:
-        raise ArchiveRejected(f"archive link {member!r} points to absolute path {target!r}")
+        raise ArchiveRejected(f"archive link {_shown(member)} points outside the archive: {_shown(target)} is an "
+                              "absolute path")
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(member), target))
     if resolved == ".." or resolved.startswith("../"):
-        raise ArchiveRejected(f"archive link {member!r} -> {target!r} points outside the archive")
+        raise ArchiveRejected(f"archive link {_shown(member)} -> {_shown(target)} points outside the archive")
 
 
 # --- Reading members ---------------------------------------------------------------------------
@@ -169,29 +188,108 @@ def _clear(parent_fd: int, base: str, member: str) -> None:
     os.unlink(base, dir_fd=parent_fd)
 
 
+MAX_NAME_BYTES = 4096
+"""Longest member name accepted (PATH_MAX): no tool that made a real repository writes longer."""
+
+
+def _name_id(parts: list[str]) -> int:
+    """A fixed-size key for a path (kept per member, where names can be kilobytes long)."""
+    key = 0
+    for part in parts:
+        key = hash((key, part))
+    return key
+
+
+class _MemberCheck:
+    """What an archive may hold, checked member by member before anything of it is written.
+
+    The same checks run at submission (``inspect_archive``, which writes nothing) and in the
+    extractor, where the kernel-level checks (``openat2`` without symlinks, hard links by inode)
+    back them up. Every directory a member's path implies counts as a member too: that bounds what
+    extraction creates and what this remembers (one small key per path, ``kinds``).
+    """
+
+    def __init__(self, limits: ArchiveLimits) -> None:
+        self.limits = limits
+        self.count = 0
+        self.declared = 0
+        self.kinds: dict[int, str] = {}
+        """Path key -> 'dir', 'file' (regular files and hard links to them) or 'symlink'."""
+
+    def _counted(self) -> None:
+        self.count += 1
+        if self.count > self.limits.max_members:
+            raise ArchiveRejected(f"archive has more than {self.limits.max_members} members (the directories "
+                                  "their paths imply included)")
+
+    def check(self, member: _Member) -> str:
+        """The member's normalised name ('' for the archive's root directory), or ArchiveRejected."""
+        self._counted()
+        if member.kind == "special":
+            raise ArchiveRejected(f"archive member {_shown(member.name)} is a device, fifo or other special file")
+        name = _check_name(member.name)
+        if not name:
+            return ""
+        parts = name.split("/")
+        if len(parts) > self.limits.max_depth:
+            raise ArchiveRejected(f"archive member {_shown(member.name)} is {len(parts)} path components deep; "
+                                  f"the limit is {self.limits.max_depth}")
+        if len(name.encode()) > MAX_NAME_BYTES:
+            raise ArchiveRejected(f"archive member {_shown(member.name)} has a name over {MAX_NAME_BYTES} bytes")
+        if member.size > self.limits.max_member_bytes:
+            raise ArchiveRejected(f"archive member {_shown(member.name)} is {member.size} bytes, over the "
+                                  f"{self.limits.max_member_bytes}-byte limit")
+        self.declared += member.size
+        if self.declared > self.limits.max_total_bytes:
+            raise ArchiveRejected(f"archive unpacks to more than {self.limits.max_total_bytes} bytes")
+        if member.kind == "symlink":
+            _check_link(name, member.link)
+        self._place(parts, member)
+        return name
+
+    def _place(self, parts: list[str], member: _Member) -> None:
+        key = 0
+        for index, part in enumerate(parts[:-1]):
+            key = hash((key, part))
+            kind = self.kinds.get(key)
+            if kind is None:
+                self._counted()
+                self.kinds[key] = "dir"
+            elif kind == "symlink":
+                raise ArchiveRejected(f"archive member {_shown(member.name)} would be written through a symlink; refused")
+            elif kind != "dir":
+                raise ArchiveRejected(f"archive member {_shown(member.name)} needs "
+                                      f"{_shown('/'.join(parts[:index + 1]))} to be a directory")
+        key = hash((key, parts[-1]))
+        existing = self.kinds.get(key)
+        if member.kind == "dir":
+            if existing not in (None, "dir"):
+                raise ArchiveRejected(f"archive member {_shown(member.name)} is a directory over an existing file or link")
+            self.kinds[key] = "dir"
+            return
+        if existing == "dir":
+            raise ArchiveRejected(f"archive member {_shown(member.name)} would replace a directory")
+        if member.kind == "hardlink":
+            target = _check_name(member.link)
+            if not target or self.kinds.get(_name_id(target.split("/"))) != "file":
+                raise ArchiveRejected(f"archive hard link {_shown(member.name)} -> {_shown(member.link)} does not point "
+                                      "at a regular file extracted earlier from the same archive")
+        self.kinds[key] = "symlink" if member.kind == "symlink" else "file"
+
+
 class _Extractor:
     def __init__(self, dest_fd: int, limits: ArchiveLimits) -> None:
         self.dest_fd = dest_fd
         self.limits = limits
-        self.count = 0
+        self.check = _MemberCheck(limits)
         self.total = 0
         self.files: dict[str, tuple[int, int]] = {}
         """Regular files this archive created: name -> (st_dev, st_ino), the only hard-link targets."""
 
     def add(self, member: _Member) -> None:
-        self.count += 1
-        if self.count > self.limits.max_members:
-            raise ArchiveRejected(f"archive has more than {self.limits.max_members} members")
-        if member.kind == "special":
-            raise ArchiveRejected(f"archive member {member.name!r} is a device, fifo or other special file")
-        name = _check_name(member.name)
+        name = self.check.check(member)
         if not name:
             return
-        if member.size > self.limits.max_member_bytes:
-            raise ArchiveRejected(f"archive member {member.name!r} is {member.size} bytes, over the "
-                                  f"{self.limits.max_member_bytes}-byte limit")
-        if member.kind == "symlink":
-            _check_link(name, member.link)
         parent, _, base = name.rpartition("/")
         parent_fd = _open_dir(self.dest_fd, parent, create=True, member=member.name)
         try:
@@ -258,29 +356,30 @@ class _Extractor:
         self.files[name] = recorded
 
 
-def _extract_stream(archive: BinaryIO, dest_fd: int, limits: ArchiveLimits, label: str) -> None:
-    extractor = _Extractor(dest_fd, limits)
+def _each_member(archive: BinaryIO, label: str, visit: Callable[[_Member], object]) -> None:
+    """Call ``visit`` on every member of a zip or tar (told apart by content, as extraction does)."""
     try:
         if zipfile.is_zipfile(archive):
             archive.seek(0)
             with zipfile.ZipFile(archive) as zf:
                 for member in _zip_members(zf):
-                    extractor.add(member)
+                    visit(member)
             return
         archive.seek(0)
         try:
             tar = tarfile.open(fileobj=archive, mode="r:*")  # noqa: SIM115 - closed by the with block below
         except tarfile.TarError as exc:
-            raise ArchiveRejected(f"{label} is neither a zip nor a readable tar archive: {exc}") from None
+            raise ArchiveRejected(f"{label} is malformed or truncated: neither a zip nor a readable tar archive "
+                                  f"({exc})") from None
         with tar:
             for member in _tar_members(tar):
-                extractor.add(member)
+                visit(member)
     except ArchiveRejected:
         raise
     except PathOutsideWorkspace as exc:
         raise ArchiveRejected(f"archive member refused: {exc}") from None
     except (zipfile.BadZipFile, zlib.error, tarfile.TarError, EOFError, NotImplementedError, RuntimeError) as exc:
-        raise ArchiveRejected(f"{label} is corrupt or truncated and cannot be extracted ({type(exc).__name__}: "
+        raise ArchiveRejected(f"{label} is corrupt: malformed or truncated, it cannot be read ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from None
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -288,7 +387,20 @@ def _extract_stream(archive: BinaryIO, dest_fd: int, limits: ArchiveLimits, labe
         raise ArchiveRejected(f"{label} could not be extracted ({exc.strerror or exc})") from None
 
 
+def _extract_stream(archive: BinaryIO, dest_fd: int, limits: ArchiveLimits, label: str) -> None:
+    _each_member(archive, label, _Extractor(dest_fd, limits).add)
+
+
 # --- Entry points --------------------------------------------------------------------------------
+
+def inspect_archive(archive: Path, *, limits: ArchiveLimits | None = None, label: str | None = None) -> None:
+    """Check every member of ``archive`` the way extraction will, writing nothing (the early check
+    at submission); ArchiveRejected names the first problem. ``label`` names the archive in messages."""
+    limits = limits or ArchiveLimits()
+    check = _MemberCheck(limits)
+    with open(archive, "rb") as stream:
+        _each_member(stream, label or archive.name, check.check)
+
 
 def extract_archive(archive: Path, destination: Path, *, limits: ArchiveLimits | None = None,
                     run_as: tuple[int, int] | None = None) -> None:

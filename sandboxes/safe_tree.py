@@ -174,13 +174,16 @@ def walk_entries(top_fd: int, *, skip_top: frozenset[str] = frozenset()) -> Iter
     walk = _DirStack(top_fd)
     try:
         while walk.levels:
-            name = walk.next_name(sort=True)
+            try:
+                name = walk.next_name(sort=True)
+            except OSError:  # gone or replaced meanwhile: nothing more to list here
+                name = None
             if name is None:
                 walk.ascend()
                 continue
             try:
                 info = os.stat(name, dir_fd=walk.fd(), follow_symlinks=False)
-            except FileNotFoundError:
+            except OSError:
                 continue
             yield walk.relative(name), info
             if stat.S_ISDIR(info.st_mode) and not (len(walk.levels) == 1 and name in skip_top):

@@ -21,6 +21,11 @@ from sandboxes import paths
 BACKEND_NAMES = ("local", "docker")
 DEFAULT_IMAGE = "flowstate-sandbox:latest"
 DEFAULT_DOCKER_RUNTIME = "runc"
+ARCHIVE_MAX_DEPTH = 64
+"""Default of ``SandboxSettings.archive_max_depth``."""
+ARCHIVE_DEPTH_RANGE = (1, 1024)
+"""Accepted values of ``FLOWSTATE_ARCHIVE_MAX_DEPTH``: a deeper cap would let archives build trees
+near the depth at which recursive tools (Python's os.walk, shutil.rmtree) fail."""
 RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """What a Docker OCI runtime name may look like (``docker info`` lists the registered ones)."""
 SEMANTIC_SETTING_NAMES = (
@@ -32,6 +37,16 @@ SEMANTIC_SETTING_NAMES = (
 
 def _environment_root() -> Path:
     return Path(os.environ.get("SANDBOX_ROOT") or paths.default_sandbox_root(Path("var"))).absolute()
+
+
+def _environment_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,10 @@ class SandboxSettings:
     semantic: dict[str, str] = field(default_factory=dict)
     """Semantic search settings by name (``SEMANTIC_SETTING_NAMES``), as text; a name missing here is
     taken from the environment."""
+    archive_max_depth: int = ARCHIVE_MAX_DEPTH
+    """Most path components in a member of an uploaded or snapshot archive (``a/b/c.py`` has 3):
+    refused at submission and again at extraction (``FLOWSTATE_ARCHIVE_MAX_DEPTH``, 1 to 1024;
+    default 64)."""
     database: dict | None = None
     """Connection settings of the platform database in Django's ``DATABASES["default"]`` form
     (``ENGINE``, ``NAME``, ``USER``, ``PASSWORD``, ``HOST``, ``PORT``), read each time a pgvector
@@ -66,6 +85,11 @@ class SandboxSettings:
             raise ValueError(f"unknown sandbox backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if not isinstance(self.docker_runtime, str) or not RUNTIME_NAME.fullmatch(self.docker_runtime):
             raise ValueError(f"SANDBOX_DOCKER_RUNTIME={self.docker_runtime!r} is not a runtime name (e.g. runc, runsc)")
+        low, high = ARCHIVE_DEPTH_RANGE
+        if isinstance(self.archive_max_depth, bool) or not isinstance(self.archive_max_depth, int) \
+                or not low <= self.archive_max_depth <= high:
+            raise ValueError(f"FLOWSTATE_ARCHIVE_MAX_DEPTH={self.archive_max_depth!r} must be an integer from {low} "
+                             f"to {high}")
         unknown = sorted(set(self.semantic) - set(SEMANTIC_SETTING_NAMES))
         if unknown:
             raise ValueError(f"SandboxSettings.semantic has unknown names {unknown}; use {SEMANTIC_SETTING_NAMES}")
@@ -78,6 +102,7 @@ class SandboxSettings:
             root=_environment_root(),
             image=os.environ.get("SANDBOX_IMAGE") or DEFAULT_IMAGE,
             docker_runtime=os.environ.get("SANDBOX_DOCKER_RUNTIME") or DEFAULT_DOCKER_RUNTIME,
+            archive_max_depth=_environment_int("FLOWSTATE_ARCHIVE_MAX_DEPTH", ARCHIVE_MAX_DEPTH),
             semantic={name: os.environ[name] for name in SEMANTIC_SETTING_NAMES if os.environ.get(name)},
         )
 

@@ -23,6 +23,7 @@ from webapp.env import (
     env_int,
     env_list,
     env_optional,
+    env_runtime_list,
     env_str,
 )
 
@@ -200,6 +201,9 @@ SANDBOX_IMAGE = env_str("SANDBOX_IMAGE", "flowstate-sandbox:latest")
 # OCI runtime of the Docker backend's containers: runc, or runsc (gVisor) once registered with the
 # engine (docs/SECURITY.md); the backend and /healthz refuse a runtime the engine lacks.
 SANDBOX_DOCKER_RUNTIME = env_str("SANDBOX_DOCKER_RUNTIME", "runc")
+# The isolation tiers a task may choose (the task form's and API's sandbox_runtime), e.g. "runc,runsc";
+# each must be registered with the engine. Default: SANDBOX_DOCKER_RUNTIME alone.
+SANDBOX_RUNTIMES_ALLOWED = env_runtime_list("SANDBOX_RUNTIMES_ALLOWED", [SANDBOX_DOCKER_RUNTIME])
 # Default: var/sandboxes, or /var/lib/flowstate/sandboxes-<hash> when root runs a checkout that
 # other users cannot traverse (sandboxes.paths explains why).
 SANDBOX_ROOT = Path(env_str("SANDBOX_ROOT", str(default_sandbox_root(STATE_DIR))))

@@ -83,7 +83,9 @@ def sandbox_backend(request) -> SandboxBackend:
     yield backend
     backend.close()
     backend.reap_orphans()
-    shutil.rmtree(root, ignore_errors=True)
+    from sandboxes.safe_tree import discard_tree
+
+    discard_tree(root, what="test backend state")  # attack tests leave trees deeper than rmtree can recurse
 
 
 @pytest.fixture

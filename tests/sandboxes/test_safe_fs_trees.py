@@ -22,6 +22,15 @@ from tests.sandboxes.attacks.test_deep_trees import build_deep
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _deep_trees_removed(tmp_path):
+    """pytest's own clean-up of old tmp_path directories recurses: never leave a deep tree behind."""
+    yield
+    for entry in tmp_path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            safe_tree.discard_tree(entry, what="test tree")
+
+
 def _host_victims(tmp_path: Path) -> tuple[Path, Path]:
     outside = tmp_path / "outside"
     outside.mkdir()

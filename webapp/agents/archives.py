@@ -1,21 +1,22 @@
 """Uploaded repository archives: kept under the state directory once their members look safe.
 
-This is the early, cheap check at submission (names, links, sizes, member count); the archive is
-extracted later, as an unprivileged user and member by member under a directory fd, by
-``sandboxes.archives`` when its snapshot is built.
+This is the early check at submission: every member goes through the extractor's own checks
+(``sandboxes.archives.inspect_archive``: names, depth, links, special files, counts, sizes), so an
+archive the extractor would refuse gets a 400 on the ``archive`` field here. It is extracted later,
+as an unprivileged user and member by member under a directory fd, when its snapshot is built.
 """
 
 from __future__ import annotations
 
-import re
-import tarfile
 import uuid
-import zipfile
 from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
+
+from sandboxes.archives import ArchiveLimits, inspect_archive
+from sandboxes.base import ArchiveRejected
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_ARCHIVE_MEMBERS = 20_000
@@ -44,41 +45,16 @@ def archive_store(*, upload: UploadedFile) -> Path:
     return target
 
 
-def _member_problem(member_name: str) -> str | None:
-    if member_name.startswith("/") or re.match(r"^[A-Za-z]:", member_name):
-        return f"member '{member_name}' has an absolute path"
-    if ".." in Path(member_name).parts:
-        return f"member '{member_name}' escapes the archive with '..'"
-    return None
+def upload_archive_limits() -> ArchiveLimits:
+    """What an uploaded archive may hold: tighter than what the extractor accepts from staff sources."""
+    return ArchiveLimits(max_members=MAX_ARCHIVE_MEMBERS, max_total_bytes=MAX_ARCHIVE_UNPACKED_BYTES,
+                         max_depth=settings.ARCHIVE_MAX_DEPTH)
 
 
 def _archive_check(path: Path) -> None:
-    total = 0
+    # The extractor's own member checks, run without writing: names, depth, links (tar and zip
+    # alike), writes through links, hard-link targets, special files, member count and sizes.
     try:
-        if path.name.endswith(".zip"):
-            with zipfile.ZipFile(path) as archive:
-                members = archive.infolist()
-                if len(members) > MAX_ARCHIVE_MEMBERS:
-                    raise ValidationError({"archive": f"the archive has {len(members)} members; the limit is {MAX_ARCHIVE_MEMBERS}"})
-                for info in members:
-                    if problem := _member_problem(info.filename):
-                        raise ValidationError({"archive": problem})
-                    total += info.file_size
-        else:
-            with tarfile.open(path) as archive:
-                for count, member in enumerate(archive, start=1):
-                    if count > MAX_ARCHIVE_MEMBERS:
-                        raise ValidationError({"archive": f"the archive has more than {MAX_ARCHIVE_MEMBERS} members"})
-                    if problem := _member_problem(member.name):
-                        raise ValidationError({"archive": problem})
-                    if member.issym() or member.islnk():
-                        target = member.linkname
-                        if target.startswith("/") or ".." in Path(target).parts:
-                            raise ValidationError({"archive": f"link '{member.name}' points outside the archive ({target})"})
-                    elif not (member.isfile() or member.isdir()):
-                        raise ValidationError({"archive": f"member '{member.name}' is a device or fifo, which is not allowed"})
-                    total += member.size
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
-        raise ValidationError({"archive": f"the archive is malformed or truncated and cannot be read ({exc})"}) from exc
-    if total > MAX_ARCHIVE_UNPACKED_BYTES:
-        raise ValidationError({"archive": f"the archive unpacks to {total} bytes; the limit is {MAX_ARCHIVE_UNPACKED_BYTES} bytes"})
+        inspect_archive(path, limits=upload_archive_limits(), label="the archive")
+    except ArchiveRejected as exc:
+        raise ValidationError({"archive": str(exc)}) from None

@@ -14,7 +14,7 @@ from django.conf import settings
 from sandboxes.settings import SEMANTIC_SETTING_NAMES, SandboxSettings, configure
 
 SOURCE_SETTINGS = frozenset({"SANDBOX_BACKEND", "SANDBOX_ROOT", "SANDBOX_IMAGE", "SANDBOX_DOCKER_RUNTIME",
-                             "GIT_ALLOWED_HOSTS", "DATABASES",
+                             "GIT_ALLOWED_HOSTS", "DATABASES", "ARCHIVE_MAX_DEPTH",
                              *SEMANTIC_SETTING_NAMES})
 """The Django settings ``sandbox_settings_from_django`` reads."""
 
@@ -28,6 +28,7 @@ def sandbox_settings_from_django() -> SandboxSettings:
         image=str(settings.SANDBOX_IMAGE),
         docker_runtime=str(getattr(settings, "SANDBOX_DOCKER_RUNTIME", "runc")),
         git_allowed_hosts=tuple(str(host).lower() for host in getattr(settings, "GIT_ALLOWED_HOSTS", [])),
+        archive_max_depth=int(getattr(settings, "ARCHIVE_MAX_DEPTH", 64)),
         semantic=semantic,
         # The dict itself, not a copy: the test runner renames the database in place after start-up.
         database=settings.DATABASES.get("default"),

@@ -95,9 +95,11 @@ PAYLOADS = {"zip-dot-chain": zip_dot_chain, "tar-dot-chain": tar_dot_chain,
 
 
 def _assert_nothing_outside(root: Path, marker: str) -> None:
-    # os.walk, not rglob: /tmp is shared, and a directory vanishing mid-walk must not fail the test.
-    found = [os.path.join(top, name) for top, dirs, files in os.walk(root) for name in dirs + files
-             if name.startswith(marker)]
+    # walk_tree, not rglob or os.walk: /tmp is shared, a directory vanishing mid-walk must not fail
+    # the test, and another test's tree deeper than the recursion limit must not either.
+    from sandboxes.safe_tree import walk_tree
+
+    found = [relative for relative, _ in walk_tree(root) if relative.rpartition("/")[2].startswith(marker)]
     assert found == [], f"archive wrote outside its destination: {found}"
 
 
