@@ -186,6 +186,11 @@ class DockerSandbox(CoreSandbox):
         return self._container_id
 
     @property
+    def runtime(self) -> str:
+        """OCI runtime of the container (the isolation tier the trace records)."""
+        return self._backend.runtime
+
+    @property
     def holder_pid(self) -> int | None:
         """Host pid of the container's init (docker-init), like ``LocalSandbox.holder_pid``."""
         if self._container_id is None:

@@ -68,6 +68,17 @@ def env_choice(name: str, default: str, choices: Sequence[str]) -> str:
     return value
 
 
+def env_runtime_list(name: str, default: Sequence[str]) -> list[str]:
+    """A comma-separated list of OCI runtime names (``docker info`` spells them so)."""
+    from sandboxes.settings import RUNTIME_NAME
+
+    names = env_list(name, default)
+    bad = [item for item in names if not RUNTIME_NAME.fullmatch(item)]
+    if bad:
+        raise ConfigurationError(f"{name}: {', '.join(map(repr, bad))} is not an OCI runtime name (e.g. runc, runsc)")
+    return names
+
+
 def env_list(name: str, default: Sequence[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":

@@ -229,7 +229,7 @@
       const body = turn.body;
       switch (event.kind) {
         case "start":
-          body.appendChild(el("div", { cls: "ev ev-start" }, [el("div", { cls: "label", text: `Prompt · ${p.policy || ""}` }), el("pre", { text: p.prompt })]));
+          body.appendChild(el("div", { cls: "ev ev-start" }, [el("div", { cls: "label", text: `Prompt · ${p.policy || ""}${p.sandbox_runtime ? ` · sandbox runtime ${p.sandbox_runtime}` : ""}` }), el("pre", { text: p.prompt })]));
           break;
         case "user_message":
           body.appendChild(el("div", { cls: "ev ev-user", "data-seq": String(event.seq) }, [el("pre", { cls: "user-text", text: p.content })]));

@@ -122,8 +122,11 @@ def run_agent(
     if history:
         run.emit("user_message", {"content": prompt, "policy": policy.name, **(user_meta or {})})
     else:
+        # The OCI runtime of a container sandbox (runc, runsc): which isolation tier the run had.
+        runtime = getattr(sandbox, "runtime", None)
         run.emit("start", {"prompt": prompt, "policy": policy.name, "limits": limits.to_dict(),
-                           "tools": [tool["function"]["name"] for tool in run.tools]})
+                           "tools": [tool["function"]["name"] for tool in run.tools],
+                           **({"sandbox_runtime": runtime} if isinstance(runtime, str) else {})})
     try:
         while True:
             if should_stop is not None and (stop_reason := should_stop()):

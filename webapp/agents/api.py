@@ -76,7 +76,8 @@ class TaskOutput(serializers.ModelSerializer):
         model = AgentTask
         fields = (
             "id", "public_id", "source", "owner", "team", "repository_id", "repository_label", "repo_kind", "prompt",
-            "backend", "model_name", "limits", "policy_options", "status", "status_reason", "outcome", "verdict",
+            "backend", "model_name", "limits", "policy_options", "sandbox_runtime", "status", "status_reason", "outcome",
+            "verdict",
             "test_command", "test_summary", "test_output", "attempt", "last_seq",
             "created_at", "started_at", "finished_at", "final_message", "turns", "prompt_tokens", "completion_tokens",
             "experiment_name", "training_step", "reward", "advantage", "events_url", "patch_url", "websocket_path",
@@ -111,6 +112,9 @@ class TaskInput(InputSerializer):
     policy_options = TypedConfigField(check=dict, required=False,
                                       help_text="scripted: {\"step_delay_s\": 0.5}; others: {\"seed\": 1}.")
     team = TeamNameField()
+    sandbox_runtime = serializers.CharField(
+        required=False, allow_blank=True, max_length=64,
+        help_text="Isolation tier: an OCI runtime of SANDBOX_RUNTIMES_ALLOWED (e.g. runsc, gVisor); blank: the default.")
 
     def unknown_field_message(self, name: str) -> str:
         if name == "repository":

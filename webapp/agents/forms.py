@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django import forms
+from django.conf import settings
 
 from webapp.agents.models import AgentTask
 from webapp.agents.selectors import repository_list
@@ -32,9 +33,14 @@ class TaskSubmitForm(forms.Form):
                                     required=False, label="Scripted step delay (s)",
                                     help_text="Scripted expert only: pause per step so you can watch")
     share_with_team = forms.ModelChoiceField(queryset=None, required=False, empty_label="— private —")
+    sandbox_runtime = forms.ChoiceField(required=False, label="Sandbox isolation",
+                                        help_text="OCI runtime of the task's container: runsc is gVisor")
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
+        # The tiers this server allows (SANDBOX_RUNTIMES_ALLOWED); the service checks the choice again.
+        self.fields["sandbox_runtime"].choices = [("", f"default ({settings.SANDBOX_DOCKER_RUNTIME})")] + [
+            (name, name) for name in settings.SANDBOX_RUNTIMES_ALLOWED if name != settings.SANDBOX_DOCKER_RUNTIME]
         bounds = agent_limit_bounds()
         for name, minimum in (("max_turns", 1), ("max_tokens", 16), ("wall_time_s", 10)):
             self.fields[name] = bounded_number_field(forms.IntegerField, bounds[name], min_value=minimum,
@@ -50,7 +56,7 @@ class TaskSubmitForm(forms.Form):
         ("Task", ("prompt",), True),
         ("Code: one of a registered repository, a git URL or an archive", ("repository", "git_url", "git_ref", "archive"), False),
         ("Policy", ("backend", "registered_model", "model_name", "base_url", "api_key", "step_delay_s"), False),
-        ("Limits and sharing", ("max_turns", "max_tokens", "wall_time_s", "share_with_team"), False),
+        ("Limits and sharing", ("max_turns", "max_tokens", "wall_time_s", "sandbox_runtime", "share_with_team"), False),
     )
 
     def groups(self) -> list[dict]:
@@ -69,6 +75,7 @@ class TaskSubmitForm(forms.Form):
                            and data.get("registered_model") else data.get("model_name") or ""),
             "base_url": data.get("base_url") or "",
             "api_key": data.get("api_key") or "", "team": data.get("share_with_team"), "policy_options": policy_options,
+            "sandbox_runtime": data.get("sandbox_runtime") or "",
             "limits": {"max_turns": data["max_turns"], "max_tokens": data["max_tokens"], "wall_time_s": float(data["wall_time_s"]),
                        "max_tokens_per_turn": min(1024, data["max_tokens"])},
         }

@@ -94,6 +94,9 @@ class AgentTask(OwnedModel):
     snapshot_id = models.CharField(
         max_length=200, blank=True,
         help_text="Sandbox snapshot of the latest attempt: links the task to its semantic index build.")
+    sandbox_runtime = models.CharField(
+        max_length=64, blank=True, default="",
+        help_text="OCI runtime (isolation tier) of the task's Docker sandbox; blank: SANDBOX_DOCKER_RUNTIME.")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

@@ -49,6 +49,7 @@ from webapp.agents.validation import (
     base_url_check,
     is_operator_openai_url,
     policy_options_check,
+    sandbox_runtime_check,
 )
 from webapp.core.publish import coalesce_events
 from webapp.core.validation import CONFLICT
@@ -151,6 +152,7 @@ def task_create(
     team=None,
     builtin_base_url: str = "",
     enqueue: bool = True,
+    sandbox_runtime: str = "",
 ) -> AgentTask:
     """Validate a submission, store the task as ``queued`` and enqueue its run after commit.
 
@@ -174,6 +176,7 @@ def task_create(
         raise ValidationError(errors)
 
     limits = _limits_check(limits)
+    sandbox_runtime = sandbox_runtime_check(sandbox_runtime)
     policy_options = policy_options_check(backend=backend, options=policy_options)
 
     if backend == AgentTask.Backend.OPENAI:
@@ -210,7 +213,7 @@ def task_create(
     task = AgentTask.objects.create(
         owner=owner, team=team, repository=repository, repo_kind=kind, repo_location=location, repo_ref=ref,
         repo_label=label[:200], prompt=prompt, backend=backend, model_name=model_name, base_url=base_url,
-        api_key=api_key, limits=limits, policy_options=policy_options,
+        api_key=api_key, limits=limits, policy_options=policy_options, sandbox_runtime=sandbox_runtime,
     )
     if enqueue:
         transaction.on_commit(lambda: task_enqueue(task_id=task.pk))
@@ -411,7 +414,7 @@ def _sandbox_prepare(task: AgentTask, limits: AgentLimits):
     from sandboxes import get_backend
     from sandboxes.base import RepoSource, SandboxLimits
 
-    backend = get_backend(settings.AGENT_SANDBOX_BACKEND or settings.SANDBOX_BACKEND)
+    backend = get_backend(settings.AGENT_SANDBOX_BACKEND or settings.SANDBOX_BACKEND, runtime=task.sandbox_runtime or None)
     if task.attempt > 1:
         # The previous attempt's worker is gone; its sandbox must not live on beside this one.
         try:

@@ -124,3 +124,19 @@ def base_url_check(*, url: str, builtin_base_url: str = "") -> str:
         raise ValidationError({"base_url": [str(exc)]}) from None
     return url
 
+
+def sandbox_runtime_check(runtime: str | None) -> str:
+    """A task's isolation tier: blank (the configured ``SANDBOX_DOCKER_RUNTIME``) or one of
+    ``SANDBOX_RUNTIMES_ALLOWED``; another runtime than the default needs Docker sandboxes."""
+    runtime = (runtime or "").strip()
+    if not runtime:
+        return ""
+    allowed = list(settings.SANDBOX_RUNTIMES_ALLOWED)
+    if runtime not in allowed:
+        raise ValidationError({"sandbox_runtime": f"'{runtime[:64]}' is not an allowed sandbox runtime; choose one of "
+                                                  f"{', '.join(allowed)} (SANDBOX_RUNTIMES_ALLOWED)"})
+    where = settings.AGENT_SANDBOX_BACKEND or settings.SANDBOX_BACKEND
+    if where != "docker" and runtime != settings.SANDBOX_DOCKER_RUNTIME:
+        raise ValidationError({"sandbox_runtime": f"the sandbox runtime {runtime} needs Docker sandboxes; this server's "
+                                                  f"tasks run on the {where} backend"})
+    return runtime
