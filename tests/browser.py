@@ -48,3 +48,9 @@ def login(page, base_url: str, username: str, password: str) -> None:
     page.fill("input[name=username]", username)
     page.fill("input[name=password]", password)
     page.click("button[type=submit]")
+
+
+def console_error(errors: list[str], message) -> None:
+    """Collect a page's console errors; the browser's own favicon request (the app serves none) is not one."""
+    if message.type == "error" and not (message.location or {}).get("url", "").endswith("/favicon.ico"):
+        errors.append(f"{message.text} ({(message.location or {}).get('url', '')})")

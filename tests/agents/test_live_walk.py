@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import chromium_page, login
+from tests.browser import chromium_page, console_error, login
 
 pytestmark = pytest.mark.browser
 
@@ -104,7 +104,7 @@ def test_watch_live_scrolling_like_a_person(owner, demo_repository, asgi_server,
     bare: list = []
     with chromium_page("agents_live_walk") as page:
         page.set_viewport_size({"width": 1440, "height": 900})
-        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+        page.on("console", lambda message: console_error(errors, message))
         page.on("pageerror", lambda error: errors.append(str(error)))
         login(page, base, "owner", "owner-pass-123")
         page.goto(f"{base}/tasks/")
