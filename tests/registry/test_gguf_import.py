@@ -162,6 +162,7 @@ def smollm2_file() -> Path | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.django_db
 def test_the_shipped_smollm2_file_round_trips(models_root):
     path = smollm2_file()

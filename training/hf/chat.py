@@ -7,6 +7,13 @@ objects nor mutate the messages. Generated text is split into content and OpenAI
 family's syntax: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, Mistral `[TOOL_CALLS][...]`, or
 DeepSeek-V3's tool-call tokens (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
 a ```json block, `<｜tool▁call▁end｜>`, ... `<｜tool▁calls▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too).
+
+A template that renders no tools (many small instruct models' templates only join role and content) gets
+them in one standard format instead, the Hermes format Qwen and NousResearch models use: the schemas as
+JSON lines inside `<tools></tools>` in the system prompt, the assistant's calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, tool results as a user turn of
+`<tool_response>...</tool_response>` blocks; generations are parsed back the same way. Serving, the agent
+loop, SFT masking and RL segments all render and parse through HFChatFormat, so they agree on it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,17 @@ MISTRAL_START = "[TOOL_CALLS]"
 DEEPSEEK_START, DEEPSEEK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL_START, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 JSON_FENCE, FENCE_END = "```json", "```"
+
+
+HERMES_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{schemas}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""System-prompt section of the Hermes tool format, for templates that render no tools themselves."""
+PROBE_TOOL = "flowstate_probe_tool"
 
 
 class TemplateRenderError(ValueError):
@@ -103,6 +121,47 @@ def _template_messages(messages: Sequence[dict[str, Any]], *, arguments_as_text:
     return converted
 
 
+def hermes_tool_messages(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """`messages` in the Hermes tool format as plain role/content turns: the tool schemas appended to the
+    system prompt (a system turn added when there is none), calls as `<tool_call>` blocks in the assistant's
+    content, consecutive tool results as one user turn of `<tool_response>` blocks."""
+    converted: list[dict[str, Any]] = []
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = [_hermes_block(call) for call in message["tool_calls"]]
+            converted.append({"role": "assistant", "content": "\n".join([content, *blocks] if content else blocks)})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if converted and converted[-1].get("tool_results"):
+                converted[-1]["content"] += "\n" + block
+            else:
+                converted.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            converted.append({key: value for key, value in message.items() if key != "tool_calls"})
+    for message in converted:
+        message.pop("tool_results", None)
+    if tools:
+        section = HERMES_TOOLS_PROMPT.format(schemas="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+        if converted and converted[0].get("role") == "system":
+            converted[0] = {**converted[0], "content": f"{converted[0].get('content') or ''}\n\n{section}".lstrip()}
+        else:
+            converted.insert(0, {"role": "system", "content": section})
+    return converted
+
+
+def _hermes_block(call: dict[str, Any]) -> str:
+    function = call.get("function", {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"{HERMES_START}\n{body}\n{HERMES_END}"
+
+
 @dataclass
 class HFChatFormat:
     """An imported model's template, special tokens and tool-call syntax."""
@@ -116,11 +175,30 @@ class HFChatFormat:
     tool_style: ToolStyle = "none"
     """Syntax the model writes tool calls in."""
 
+    tools_in_template: bool = field(init=False, default=True)
+    """Whether the template shows tools itself; when it does not, the Hermes format is used (tool_style
+    becomes "hermes")."""
+
     def __post_init__(self) -> None:
         try:
             self._compiled = sandboxed_template(self.template)
         except TemplateError as error:
             raise TemplateRenderError(f"The chat template does not compile: {error}") from error
+        # Mistral's and DeepSeek's syntaxes come with their own ways of showing tools, left to the template;
+        # a template with no tool syntax of its own (or Hermes') that shows no tools gets the Hermes format.
+        self.tools_in_template = self.tool_style in ("mistral", "deepseek") or self._renders_tools()
+        if not self.tools_in_template:
+            self.tool_style = "hermes"
+
+    def _renders_tools(self) -> bool:
+        probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = self._compiled.render(messages=[{"role": "user", "content": "hi"}], tools=probe,
+                                         add_generation_prompt=True, **self.special_tokens)
+        except (TemplateError, TypeError, ValueError):
+            return False
+        return PROBE_TOOL in text
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> HFChatFormat:
@@ -145,6 +223,8 @@ class HFChatFormat:
         add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text of `messages` (OpenAI format) and tool schemas, by the model's template."""
+        if not self.tools_in_template:
+            messages, tools = hermes_tool_messages(messages, tools), None
         try:
             return self._compiled.render(
                 messages=_template_messages(messages, arguments_as_text=self.tool_style == "deepseek"), tools=list(tools) if tools else None,
