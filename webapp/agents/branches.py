@@ -115,10 +115,9 @@ def _git(args: list[str], *, cwd: Path, home: Path, env: dict[str, str] | None =
 
 
 def _chown_tree(root: Path, owner: tuple[int, int]) -> None:
-    os.lchown(root, *owner)
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            os.lchown(os.path.join(folder, name), *owner)
+    from sandboxes.safe_tree import chown_tree
+
+    chown_tree(root, owner)  # iterative: the task's files may nest deeper than os.walk can recurse
 
 
 def commit_message(task: AgentTask) -> str:
@@ -245,7 +244,9 @@ def branch_create(*, task: AgentTask, user) -> TaskBranch:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(work / "branch.bundle", target)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        from sandboxes.safe_tree import discard_tree
+
+        discard_tree(scratch, what="branch scratch directory")
     with transaction.atomic():
         branch, _ = TaskBranch.objects.update_or_create(task=task, defaults={
             "name": f"{BRANCH_PREFIX}{task.pk}", "base_commit": base, "commit": commit, "message": message,
