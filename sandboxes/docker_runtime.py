@@ -74,30 +74,41 @@ def table():
             continue
         rows[int(name)] = (int(fields[1]), int(fields[4]), mark in environ)
     return rows
-left = -1
-for _ in range(100):
+def members():
     rows = table()
-    victims = {pid for pid, (_, _, marked) in rows.items() if marked}
-    victims |= {pid for pid, (_, session, _) in rows.items() if session in victims}
+    found = {pid for pid, (_, _, marked) in rows.items() if marked}
+    found |= {pid for pid, (_, session, _) in rows.items() if session in found}
     while True:
-        more = {pid for pid, (parent, _, _) in rows.items() if parent in victims} - victims
+        more = {pid for pid, (parent, _, _) in rows.items() if parent in found} - found
         if not more:
-            break
-        victims |= more
-    left = len(victims)
-    if not victims:
-        break
-    for pid in victims:
+            return found
+        found |= more
+def send(pids, number):
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, number)
         except OSError:
             pass
-    time.sleep(0.02)
+left = -1
+for _ in range(20):
+    stopped = set()
+    for _ in range(200):
+        new = members() - stopped
+        if not new:
+            break
+        send(new, signal.SIGSTOP)
+        stopped |= new
+    send(stopped, signal.SIGKILL)
+    time.sleep(0.01)
+    left = len(members())
+    if not left:
+        break
 print(left)
 """
 """Kills every process of one command inside a gVisor sandbox: those carrying its ``EXEC_MARK``
-token, the members of sessions they lead, and all their descendants, repeated until none is left
-(a process forking while it is killed). Run as the agent's uid (no capability is needed to kill
+token, the members of sessions they lead, and all their descendants. They are stopped first until
+no new one appears (a stopped process cannot fork, so a fork bomb cannot outrun the kill), then
+killed; repeated until none is left. Run as the agent's uid (no capability is needed to signal
 one's own processes); prints how many were still found on the last pass (0: all gone)."""
 GVISOR_KILL_TIMEOUT_S = 10.0
 

@@ -108,3 +108,23 @@ def test_a_task_on_runsc_runs_under_gvisor_and_its_trace_says_so(owner, demo_rep
     finally:
         for backend in sandboxes._backends.values():
             backend.close()
+
+
+def test_an_experiment_chooses_its_tier_from_the_allowed_ones(tiers, owner, tmp_path):
+    from django.core.exceptions import ValidationError
+
+    from training.rollout.config import AsyncRLConfig, AsyncRLConfigError
+    from webapp.experiments.validation import experiment_config_check
+
+    tiers.MODEL_CHECKPOINT = str(tmp_path)
+    base = {"steps": 2, "tasks": 2, "group_size": 2, "groups_per_step": 1, "max_staleness": 0, "rollout_workers": 2,
+            "max_turns": 1, "max_tokens_per_turn": 8, "context_tokens": 8192, "ray_num_cpus": 1}
+    assert experiment_config_check({**base, "sandbox_runtime": "runsc"}, owner=owner)["sandbox_runtime"] == "runsc"
+    assert experiment_config_check(base, owner=owner)["sandbox_runtime"] is None
+    with pytest.raises(ValidationError) as refused:
+        experiment_config_check({**base, "sandbox_runtime": "kata"}, owner=owner)
+    assert "SANDBOX_RUNTIMES_ALLOWED" in str(refused.value.message_dict["sandbox_runtime"])
+    with pytest.raises(AsyncRLConfigError, match="not an OCI runtime name"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(tmp_path), sandbox_runtime="../runc")
+    with pytest.raises(AsyncRLConfigError, match="fleet hosts"):
+        AsyncRLConfig(run_dir=str(tmp_path), init_checkpoint=str(tmp_path), sandbox_runtime="runsc", sandbox_hosts=True)

@@ -260,7 +260,8 @@ class RolloutServer:
         from training.tasks.sandboxing import DEFAULT_TASK_LIMITS, task_sandboxes_create
 
         if fleet is None:
-            (sandbox,) = task_sandboxes_create(backend=get_backend(self.config.sandbox_backend), task=task)
+            backend = get_backend(self.config.sandbox_backend, runtime=self.config.sandbox_runtime)
+            (sandbox,) = task_sandboxes_create(backend=backend, task=task)
             return sandbox
         from sandboxes.base import RepoSource
         from training.tasks.sandboxing import task_setup_limits

@@ -161,6 +161,9 @@ class AsyncRLConfig:
     (training.copy_constraint), exactly as the product serves the model; False samples it freely."""
     sandbox_backend: str | None = None
     """Sandbox backend the rollout workers use (None: the configured default)."""
+    sandbox_runtime: str | None = None
+    """OCI runtime (isolation tier) of the rollout workers' Docker sandboxes, e.g. ``runsc`` (gVisor);
+    None: the configured ``SANDBOX_DOCKER_RUNTIME``. Fleet hosts (``sandbox_hosts``) run their own."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a private local instance."""
     ray_num_cpus: int = 2
@@ -179,6 +182,14 @@ class AsyncRLConfig:
         self._check_sizes()
         self._check_lr_schedule()
         self._check_delegated()
+        if self.sandbox_runtime is not None:
+            from sandboxes.settings import RUNTIME_NAME
+
+            if not isinstance(self.sandbox_runtime, str) or not RUNTIME_NAME.fullmatch(self.sandbox_runtime):
+                raise AsyncRLConfigError(f"sandbox_runtime={self.sandbox_runtime!r} is not an OCI runtime name (e.g. runsc)")
+            if self.sandbox_hosts:
+                raise AsyncRLConfigError("sandbox_runtime applies to the rollout workers' own sandboxes; fleet hosts "
+                                         "(sandbox_hosts) run their SANDBOX_DOCKER_RUNTIME")
         if self.inference_actors > self.rollout_workers:
             raise AsyncRLConfigError(
                 f"inference_actors={self.inference_actors} exceeds rollout_workers={self.rollout_workers}; "

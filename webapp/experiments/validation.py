@@ -139,6 +139,10 @@ def experiment_config_check(config: Any, *, run_dir: str = "pending", owner: Any
     values.setdefault("init_checkpoint", settings.MODEL_CHECKPOINT or "")
     if values.get("task_set") is not None:
         task_set_check(values["task_set"], owner=owner)
+    if values.get("sandbox_runtime"):  # the isolation tiers this server allows, as for tasks
+        from webapp.agents.validation import sandbox_runtime_check
+
+        values["sandbox_runtime"] = sandbox_runtime_check(values["sandbox_runtime"]) or None
     server = {"sandbox_backend": settings.SANDBOX_BACKEND, "ray_address": settings.RAY_ADDRESS, "run_dir": run_dir}
     try:
         parsed = _config_class().from_dict({**values, **server})
