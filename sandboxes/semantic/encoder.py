@@ -139,6 +139,46 @@ def encoder_tag(config: SemanticSearchConfig) -> str:
     return f"{encoder_fingerprint(config.encoder_path)}-{config.encoder_backend}{graph}-s{config.max_seq_length}"
 
 
+BACKEND_PRECISIONS = {"torch": "f32", "onnx": "f32", "onnx-int8": "int8+f32", "torch-bf16": "bf16"}
+"""What each backend computes in: int8 matrix products with the rest in f32, or bfloat16 autocast."""
+ISA_DEPENDENT_BACKENDS = frozenset({"onnx-int8", "openvino-int8", "torch-bf16"})
+"""Backends whose vectors depend on the CPU's kernel family (``sandboxes.semantic.cpu``); float32 backends'
+vectors agree across x86 CPUs to rounding."""
+
+
+def encoder_runtime(config: SemanticSearchConfig) -> dict[str, object]:
+    """How ``config``'s encoder computes on this machine: backend, precision, the CPU's ISA class and flags.
+
+    Read from the configuration and the CPU, without loading the encoder, so a search can check an index
+    on disk before its encoder is ready."""
+    from sandboxes.semantic.cpu import this_cpu
+
+    if config.encoder_backend == "openvino-int8":
+        from sandboxes.semantic.openvino_encoder import INFERENCE_PRECISION
+
+        precision = f"int8+{INFERENCE_PRECISION}"
+    else:
+        precision = BACKEND_PRECISIONS[config.encoder_backend]
+    isa, flags = this_cpu()
+    return {"backend": config.encoder_backend, "precision": precision, "isa_class": isa, "cpu_flags": list(flags)}
+
+
+def runtime_mismatch(*, recorded: object, current: dict[str, object]) -> str | None:
+    """Why vectors ``recorded`` in an index are not comparable with the ``current`` encoder's (None: they are).
+
+    Backend and precision must agree; the ISA class too where the backend's vectors depend on it. An index
+    with no record was built before these were recorded: trusted only for a float32 backend."""
+    dependent = current["backend"] in ISA_DEPENDENT_BACKENDS
+    if not isinstance(recorded, dict):
+        if not dependent:
+            return None
+        return "it records no encoder precision or CPU class (built before they were recorded)"
+    fields = ("backend", "precision", "isa_class") if dependent else ("backend", "precision")
+    differences = [f"{name} {recorded.get(name)!r} there, {current[name]!r} here"
+                   for name in fields if recorded.get(name) != current[name]]
+    return "; ".join(differences) or None
+
+
 def text_encoder_load(*, config: SemanticSearchConfig) -> TextEncoder:
     """The encoder ``config`` asks for, loaded once per process; the ONNX export is cached under the index root."""
     model = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)

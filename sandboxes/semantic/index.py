@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,13 +31,15 @@ from sandboxes.semantic.chunking import (
     is_indexable_path,
 )
 from sandboxes.semantic.config import SemanticSearchConfig
-from sandboxes.semantic.encoder import encoder_tag, text_encoder_load
+from sandboxes.semantic.encoder import encoder_runtime, encoder_tag, runtime_mismatch, text_encoder_load
 from sandboxes.semantic.progress import IndexBuildCancelled, IndexProgressWriter
 
 INDEX_FORMAT_VERSION = 2
 # Stored vectors are float16: half the bytes to memory-map and scan per query, and cosine scores
 # move by ~1e-4, far below the gaps that order search results (version 1 stored float32).
 INDEX_VECTOR_DTYPE = np.float16
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,6 +131,7 @@ def _table_write(*, table: ChunkTable, directory: Path, meta: dict) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.{uuid.uuid4().hex}.tmp"
     staging.mkdir()
+    retired = directory.parent / f".{directory.name}.{uuid.uuid4().hex}.replaced"
     try:
         with open(staging / "chunks.jsonl", "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(
@@ -139,10 +143,19 @@ def _table_write(*, table: ChunkTable, directory: Path, meta: dict) -> None:
         np.save(staging / "vectors.npy", np.asarray(table.vectors, dtype=INDEX_VECTOR_DTYPE))
         (staging / "meta.json").write_text(json.dumps(meta, indent=2))
         # The rename is the commit point: a crash before it leaves only a staging directory that the
-        # next build ignores, never a half-written index.
-        os.replace(staging, directory)
+        # next build ignores, never a half-written index. An index being replaced is moved aside first
+        # (processes that memory-mapped its vectors keep reading them until they reload).
+        if directory.exists():
+            os.replace(directory, retired)
+        try:
+            os.replace(staging, directory)
+        except BaseException:
+            if retired.exists() and not directory.exists():
+                os.replace(retired, directory)  # the new index could not take its place: keep the old one
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def _table_read(directory: Path) -> ChunkTable:
@@ -166,10 +179,34 @@ class BaseIndex:
     """True when this call built the index (False: loaded from disk)."""
 
 
+def _stale_reason(directory: Path, config: SemanticSearchConfig) -> str | None:
+    """Why the index in ``directory`` must be rebuilt before ``config``'s encoder searches it (None: it need not).
+
+    Its vectors must have been made the way this machine's encoder makes the queries' (backend, precision
+    and, for int8 and bfloat16 backends, the CPU's ISA class), or scores would compare unlike vectors."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"its meta.json is unreadable ({error})"
+    if not isinstance(meta, dict):
+        return "its meta.json is not an object"
+    return runtime_mismatch(recorded=meta.get("encoder_runtime"), current=encoder_runtime(config))
+
+
+def _usable(directory: Path, config: SemanticSearchConfig) -> bool:
+    """True when ``directory`` holds a complete index this machine's encoder can search; logs why not."""
+    if not (directory / "meta.json").is_file():
+        return False
+    reason = _stale_reason(directory, config)
+    if reason is not None:
+        logger.warning("semantic index %s will be rebuilt: %s", directory, reason)
+    return reason is None
+
+
 def base_index_load(*, snapshot_id: str, config: SemanticSearchConfig) -> BaseIndex | None:
-    """The snapshot's index when it is on disk, else None (never builds)."""
+    """The snapshot's index when it is on disk and comparable with this encoder's vectors, else None (never builds)."""
     directory = base_index_directory(snapshot_id=snapshot_id, config=config)
-    if (directory / "meta.json").is_file():
+    if _usable(directory, config):
         return BaseIndex(snapshot_id, directory, _table_read(directory), built_here=False)
     return None
 
@@ -196,7 +233,7 @@ def base_index_load_or_build(
         return loaded
     directory.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(directory) + ".lock"):
-        if (directory / "meta.json").is_file():
+        if _usable(directory, config):
             return BaseIndex(snapshot_id, directory, _table_read(directory), built_here=False)
         if chunks is None:
             chunks = chunks_for_files(files=files(), config=config)
@@ -224,6 +261,7 @@ def base_index_load_or_build(
                 "encoder_path": str(config.encoder_path),
                 "chunks": len(table.chunks),
                 "encoder": encoder_tag(config),
+                "encoder_runtime": encoder_runtime(config),
             },
         )
         writer.finish()

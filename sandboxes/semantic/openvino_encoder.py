@@ -4,7 +4,8 @@ The eager ONNX export of ``fast_encoder`` (pooling and normalisation included) i
 quantized once per (weights, sequence length, calibration set) with NNCF's post-training quantization
 for transformers (SmoothQuant, mixed preset: symmetric int8 weights, asymmetric activations, fast bias
 correction), its activation ranges measured on the fixed calibration set of
-``sandboxes.semantic.calibration``; what NNCF leaves unquantized runs in bfloat16 where the CPU has it.
+``sandboxes.semantic.calibration``; what NNCF leaves unquantized runs in f32 on every CPU, so a text's
+vector does not depend on the batch it is encoded in (in bfloat16 it did, on CPUs that have it).
 Static ranges let OpenVINO chain int8 matrix products (oneDNN's VNNI kernels) without the per-call
 quantization of ONNX Runtime's dynamic path, and batches run on one single-threaded stream per core.
 
@@ -33,7 +34,7 @@ from sandboxes.semantic.encoder import embedding_dimension
 from sandboxes.semantic.fast_encoder import length_sorted_batches, onnx_model_path
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from sentence_transformers import SentenceTransformer
 
@@ -43,6 +44,9 @@ RECIPE = "transformer-mixed"
 indexes, so a change of recipe can never mix two models' vectors in one index. The performance preset
 (symmetric activations) indexed no faster in the same rounds (266 vs 259 chunks/s) and moved the vectors
 more (cosine min 0.972 vs 0.977), so it was not taken (2026-12-03)."""
+INFERENCE_PRECISION = "f32"
+"""Precision of the ops NNCF leaves unquantized, on every CPU (``compile_properties``); it is part of the index's
+record of how its vectors were made (``sandboxes.semantic.index``)."""
 WIDTH_MULTIPLE = 8
 """Batches pad to a multiple of this many word pieces: OpenVINO reuses the kernels it prepared for a shape it
 has seen, so a search's one-query batches hit (query p50 4.5 ms against 6.4 ms unrounded, 2026-12-03), at no
@@ -92,15 +96,27 @@ def _quantize(*, model: SentenceTransformer, source: Path, destination: Path, ma
     openvino.save_model(quantized, str(destination))
 
 
+def compile_properties(*, threads: int, capabilities: Sequence[str]) -> dict[str, Any]:
+    """The CPU plugin's properties for ``threads`` streams on a CPU offering ``capabilities``
+    (OpenVINO's OPTIMIZATION_CAPABILITIES): the same on every CPU.
+
+    What NNCF left unquantized runs in f32 even where the CPU has bfloat16 (``BF16`` in ``capabilities``):
+    in bf16 each batch shape gets its own bf16/AMX kernels, so one text's vector depended on the batch it was
+    encoded in and an index's vectors on the machine. The CPU plugin picks bf16 on such CPUs when no
+    precision is given, so f32 is asked for explicitly; accuracy mode also keeps the plugin from quantizing
+    float matrix products' inputs on the fly."""
+    del capabilities  # a parameter so that tests can pass another CPU's: none of them may change the properties
+    return {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": threads, "INFERENCE_NUM_THREADS": threads,
+            "INFERENCE_PRECISION_HINT": INFERENCE_PRECISION, "EXECUTION_MODE_HINT": "ACCURACY"}
+
+
 def _compile(path: Path, *, threads: int) -> Any:
     import openvino
 
     core = openvino.Core()
-    precision = "bf16" if "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES") else "f32"
-    return core.compile_model(core.read_model(str(path)), "CPU", {
-        "PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": threads, "INFERENCE_NUM_THREADS": threads,
-        "INFERENCE_PRECISION_HINT": precision,
-    })
+    properties = compile_properties(threads=threads,
+                                    capabilities=core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    return core.compile_model(core.read_model(str(path)), "CPU", properties)
 
 
 class OpenVinoTextEncoder:

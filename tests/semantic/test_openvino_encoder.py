@@ -60,6 +60,39 @@ def test_the_quantized_graph_runs_int8_matrix_kernels(encoder_cache):
     assert products.count("u8") + products.count("i8") >= 30, products
 
 
+AMX_XEON_CAPABILITIES = ("FP32", "BF16", "FP16", "INT8", "BIN", "EXPORT_IMPORT")
+"""OpenVINO's OPTIMIZATION_CAPABILITIES on an Intel Xeon with AMX (bfloat16 and float16 natively)."""
+AVX2_CAPABILITIES = ("FP32", "INT8", "BIN", "EXPORT_IMPORT")
+
+
+@pytest.mark.parametrize("capabilities", [AMX_XEON_CAPABILITIES, AVX2_CAPABILITIES])
+def test_the_unquantized_ops_are_asked_for_float32_whatever_the_cpu_offers(capabilities):
+    """Where the CPU had bfloat16 the encoder asked for it: each batch shape then got its own bf16/AMX kernels
+    and one text's vector moved with its batch (cosine 0.835 to itself on an AMX Xeon). The CPU plugin picks
+    bf16 on such CPUs when no precision is given, so f32 must be asked for explicitly, in accuracy mode."""
+    from sandboxes.semantic.openvino_encoder import compile_properties
+
+    properties = compile_properties(threads=2, capabilities=capabilities)
+    assert properties["INFERENCE_PRECISION_HINT"] == "f32", properties
+    assert properties["EXECUTION_MODE_HINT"] == "ACCURACY", properties
+
+
+def test_the_compiled_model_computes_in_float32_and_int8_only(encoder_cache):
+    """What OpenVINO really compiled on this machine: f32 inference precision, no bfloat16 or float16 layer."""
+    from sandboxes.semantic.openvino_encoder import _compile, openvino_model_path
+
+    config = SemanticSearchConfig(encoder_cache_dir=encoder_cache, encoder_backend="openvino-int8")
+    model = load_encoder(path=config.encoder_path, max_seq_length=config.max_seq_length)
+    path = openvino_model_path(model=model, cache_dir=encoder_cache / encoder_fingerprint(config.encoder_path),
+                               max_seq_length=config.max_seq_length)
+    compiled = _compile(path, threads=1)
+    assert compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "f32"
+    assert str(compiled.get_property("EXECUTION_MODE_HINT")).endswith("ACCURACY")
+    precisions = {op.get_rt_info()["runtimePrecision"].astype(str).lower()
+                  for op in compiled.get_runtime_model().get_ordered_ops()}
+    assert not precisions & {"bf16", "f16"}, sorted(precisions)
+
+
 def test_a_failed_quantization_leaves_nothing_a_later_process_could_load(tmp_path, monkeypatch):
     from sandboxes.semantic import openvino_encoder
 
