@@ -279,6 +279,9 @@ SERVING_RESERVED_SLOTS = env_int("FLOWSTATE_SERVING_RESERVED_SLOTS", 1, minimum=
 HEALTHZ_PROBE_TIMEOUT_S = 1.5
 """/healthz waits this long for each dependency (all at once), so it answers within 2 s when one stalls."""
 MAX_UPLOAD_BYTES = env_int("FLOWSTATE_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1024)
+# Most path components in a member of an uploaded archive (a/b/c.py has 3): refused at submission
+# with a 400 on the archive field, and again by the extractor (sandboxes.settings.archive_max_depth).
+ARCHIVE_MAX_DEPTH = env_int("FLOWSTATE_ARCHIVE_MAX_DEPTH", 64, minimum=1, maximum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_UPLOAD_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
 # Request bodies (webapp.core.body_limit, around the whole ASGI app): a longer one is refused with 413
