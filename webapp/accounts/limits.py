@@ -217,12 +217,15 @@ def limits_of(user) -> list[dict]:
                                       status__in=(AgentTask.Status.QUEUED, AgentTask.Status.RUNNING)).count()
     now = time.time()
     client = redis_client()
-    try:
-        in_flight = client.zcount(_key(V1_CONCURRENT, user, "leases"), int(now * 1000), "+inf")
+    in_flight: int | None = None
+    tokens: int | None = None
+    uploaded: int | None = None
+    try:  # the page still shows the limits when Redis does not answer
+        in_flight = int(client.zcount(_key(V1_CONCURRENT, user, "leases"), int(now * 1000), "+inf"))
         tokens = int(client.get(_key(V1_TOKENS_PER_MINUTE, user, int(now // _MINUTE_S))) or 0)
-        uploaded: int | None = upload_bytes_today(user=user)
+        uploaded = upload_bytes_today(user=user)
     except redis.RedisError:
-        in_flight = tokens = uploaded = None
+        pass
     return [
         {"name": ACTIVE_TASKS, "label": "Tasks queued or running", "limit": settings.USER_MAX_ACTIVE_TASKS, "used": active},
         {"name": PENDING_FOLLOWUPS, "label": "Follow-ups waiting, per task", "limit": settings.TASK_MAX_PENDING_FOLLOWUPS,
