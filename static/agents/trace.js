@@ -202,25 +202,25 @@
       this.jump.hidden = this.following || !LIVE.includes(this.status) || this.endInView();
     }
 
-    // Build every turn whose section lies within MARGIN px of the viewport, repeating while building
-    // moves further sections into that band; the first candidate is found by binary search.
+    // Build every turn whose section lies within MARGIN px of the viewport; the first candidate is found
+    // by binary search. One layout per call: bodies built here only grow sections the band already
+    // holds (unbuilt ones are short, so the band over-covers), and a follow-up frame checks again.
     renderVisible() {
       const list = this.sections;
-      for (let pass = 0; pass < 8 && list.length; pass += 1) {
-        const top = -MARGIN, bottom = window.innerHeight + MARGIN;
-        let lo = 0, hi = list.length - 1;
-        while (lo < hi) {
-          const mid = (lo + hi) >> 1;
-          if (list[mid].section.getBoundingClientRect().bottom < top) lo = mid + 1; else hi = mid;
-        }
-        const due = [];
-        for (let i = lo; i < list.length; i += 1) {
-          if (list[i].section.getBoundingClientRect().top > bottom) break;
-          if (!list[i].rendered) due.push(list[i]);
-        }
-        if (!due.length) return;
-        for (const turn of due) this.renderTurnBody(turn.key);
+      if (!list.length) return;
+      const top = -MARGIN, bottom = window.innerHeight + MARGIN;
+      let lo = 0, hi = list.length - 1;
+      while (lo < hi) {
+        const mid = (lo + hi) >> 1;
+        if (list[mid].section.getBoundingClientRect().bottom < top) lo = mid + 1; else hi = mid;
       }
+      const due = [];
+      for (let i = lo; i < list.length; i += 1) {
+        if (list[i].section.getBoundingClientRect().top > bottom) break;
+        if (!list[i].rendered) due.push(list[i]);
+      }
+      for (const turn of due) this.renderTurnBody(turn.key);
+      if (due.length) this.scheduleFrame();
     }
 
     // --- rendering ---

@@ -104,6 +104,7 @@ def test_watch_live_scrolling_like_a_person(owner, demo_repository, asgi_server,
     bare: list = []
     with chromium_page("agents_live_walk") as page:
         page.set_viewport_size({"width": 1440, "height": 900})
+        page.set_default_timeout(120_000)  # the server shares its machine with the sandboxes and the worker
         page.on("console", lambda message: console_error(errors, message))
         page.on("pageerror", lambda error: errors.append(str(error)))
         login(page, base, "owner", "owner-pass-123")
