@@ -67,8 +67,8 @@ client library reads from this process's environment) is dropped, and only ``bea
 
 
 class PinnedTransport(httpx2.BaseTransport):
-    """Sends each request to ``target``'s first checked address with ``PASSED_HEADERS`` and, when given,
-    ``Authorization: Bearer <bearer_token>``; refuses any other scheme, host or port."""
+    """Sends each request to the first of ``target``'s checked addresses that connects, with ``PASSED_HEADERS``
+    and, when given, ``Authorization: Bearer <bearer_token>``; refuses any other scheme, host or port."""
 
     def __init__(self, target: HttpTarget, *, bearer_token: str = "") -> None:
         if not target.addresses:
@@ -86,10 +86,18 @@ class PinnedTransport(httpx2.BaseTransport):
         headers = [(name, value) for name, value in request.headers.multi_items() if name.lower() in PASSED_HEADERS]
         if self._bearer_token:
             headers.append(("Authorization", f"Bearer {self._bearer_token}"))
-        pinned = httpx2.Request(request.method, url.copy_with(host=target.addresses[0]), headers=headers,
-                                stream=request.stream,
-                                extensions={**request.extensions, "sni_hostname": target.host})
-        return self._inner.handle_request(pinned)
+        failure = httpx2.ConnectError(f"no checked address of {target.host!r} to connect to", request=request)
+        # Every address was checked; the next is tried only when one cannot be connected to (an IPv6
+        # address on a host without IPv6), before any byte of the request was sent.
+        for address in target.addresses:
+            pinned = httpx2.Request(request.method, url.copy_with(host=address), headers=headers,
+                                    stream=request.stream,
+                                    extensions={**request.extensions, "sni_hostname": target.host})
+            try:
+                return self._inner.handle_request(pinned)
+            except httpx2.ConnectError as exc:
+                failure = exc
+        raise failure
 
     def close(self) -> None:
         self._inner.close()

@@ -216,3 +216,22 @@ def test_the_host_headers_port_cannot_aim_a_builtin_task_at_another_local_servic
         assert str(listener.port) not in task.base_url and task.base_url == "http://127.0.0.1/v1"
         _run(task)
     assert listener.requests == []
+
+
+def test_the_next_checked_address_is_tried_when_one_does_not_connect(monkeypatch):
+    """A host with several addresses (IPv6 and IPv4, say) still works where one of them is unreachable."""
+    from sandboxes.outbound import pinned_http_client
+
+    real = socket.getaddrinfo
+
+    def resolver(host, port, *args, **kwargs):
+        if host == "multi.test":
+            return real("127.0.0.1", port, *args, **kwargs) + real("127.0.0.3", port, *args, **kwargs)
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    with Listener("127.0.0.3", status=200) as second:  # nothing listens on 127.0.0.1 at this port
+        client = pinned_http_client(f"http://multi.test:{second.port}/v1", label="base_url",
+                                    hosts_allowed=frozenset({"multi.test"}))
+        assert client.post(f"http://multi.test:{second.port}/v1/chat/completions", json={}).status_code == 200
+    assert len(second.requests) == 1
