@@ -13,8 +13,9 @@ demo repository and the same limits:
 * checks of the tools as agents use them: list_dir, read_file of a 4 MiB file, grep, and a command
   killed at its timeout leaves no process behind.
 
-Each figure is a median; the ratio is runtime / runc. Run as root, nice'd:
-  nice .venv/bin/python benchmarks/bench_runtime_tiers.py [--reps 3] [--runtimes runc,runsc,runsc-ptrace]
+Each figure is a median over rounds that interleave the runtimes; the ratio is runtime / runc.
+Run as root, nice'd:
+  nice .venv/bin/python benchmarks/bench_runtime_tiers.py [--reps 4] [--runtimes runc,runsc,runsc-ptrace]
 """
 
 from __future__ import annotations
@@ -44,54 +45,51 @@ def tool(box, name: str, arguments: dict):
     return execute_tool_calls(sandbox=box, calls=[ToolCall("c", name, arguments)])[0]
 
 
-def measure(backend, snapshot, reps: int) -> dict[str, float]:
-    """Median seconds of each figure on one backend."""
+def rollout(backend, snapshot) -> float:
+    """Seconds of one rollout: fresh sandbox, the scripted expert's loop, the tests as reward, destroy."""
     from training.agent.config import AgentLimits
     from training.agent.demo_repo import DEMO_PROMPT, TEST_COMMAND, demo_expert_policy
     from training.agent.loop import run_agent
 
-    samples: dict[str, list[float]] = {name: [] for name in FIGURES}
-    for _ in range(reps):
-        started = time.perf_counter()
-        box = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
-        samples["cold create"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        tool(box, "run_terminal", {"command": "true"})
-        samples["run_terminal true"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        tests = box.exec(TEST_COMMAND, timeout_s=60)
-        samples["python -m unittest (demo)"].append(time.perf_counter() - started)
-        assert not tests.timed_out, tests
+    started = time.perf_counter()
+    box = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
+    try:
+        outcome = run_agent(sandbox=box, policy=demo_expert_policy(), prompt=DEMO_PROMPT, limits=AgentLimits())
+        passed = box.exec(TEST_COMMAND, timeout_s=60).exit_code == 0
+        assert outcome.status == "succeeded" and passed, (outcome.status, outcome.reason)
+    finally:
         box.destroy()
-    backend.prewarm(snapshot=snapshot, limits=LIMITS)
-    for _ in range(reps):
-        deadline = time.monotonic() + 120
-        while backend.warm_count(snapshot=snapshot, limits=LIMITS) == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        started = time.perf_counter()
-        box = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
-        samples["warm claim"].append(time.perf_counter() - started)
+    return time.perf_counter() - started
+
+
+def measure_round(backend, warm_backend, snapshot, warm_snapshot, samples: dict[str, list[float]]) -> None:
+    """One sample of each figure on one runtime (``warm_backend`` keeps a warm pool, ``backend`` none)."""
+    from training.agent.demo_repo import TEST_COMMAND
+
+    started = time.perf_counter()
+    box = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
+    samples["cold create"].append(time.perf_counter() - started)
+    started = time.perf_counter()
+    tool(box, "run_terminal", {"command": "true"})
+    samples["run_terminal true"].append(time.perf_counter() - started)
+    started = time.perf_counter()
+    tests = box.exec(TEST_COMMAND, timeout_s=60)
+    samples["python -m unittest (demo)"].append(time.perf_counter() - started)
+    assert not tests.timed_out, tests
+    box.destroy()
+    deadline = time.monotonic() + 120
+    while warm_backend.warm_count(snapshot=warm_snapshot, limits=LIMITS) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = time.perf_counter()
+    box = warm_backend.sandbox_create(snapshot=warm_snapshot, limits=LIMITS)
+    samples["warm claim"].append(time.perf_counter() - started)
+    box.destroy()
+    started = time.perf_counter()
+    boxes = backend.sandbox_fork(snapshot=snapshot, count=8, limits=LIMITS)
+    samples["fork of 8, per sandbox"].append((time.perf_counter() - started) / 8)
+    for box in boxes:
         box.destroy()
-    for _ in range(max(2, reps // 2)):
-        started = time.perf_counter()
-        boxes = backend.sandbox_fork(snapshot=snapshot, count=8, limits=LIMITS)
-        samples["fork of 8, per sandbox"].append((time.perf_counter() - started) / 8)
-        for box in boxes:
-            box.destroy()
-    # The first rollout is a warm-up: the semantic_search encoder loads in this process on first use.
-    for attempt in range(max(2, reps // 2) + 1):
-        started = time.perf_counter()
-        box = backend.sandbox_create(snapshot=snapshot, limits=LIMITS)
-        try:
-            outcome = run_agent(sandbox=box, policy=demo_expert_policy(), prompt=DEMO_PROMPT, limits=AgentLimits())
-            # The reward: the repository's tests, run in the rolled-out sandbox.
-            passed = box.exec(TEST_COMMAND, timeout_s=60).exit_code == 0
-            assert outcome.status == "succeeded" and passed, (outcome.status, outcome.reason)
-        finally:
-            box.destroy()
-        if attempt:
-            samples["toy RL rollout (scripted expert)"].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    samples["toy RL rollout (scripted expert)"].append(rollout(backend, snapshot))
 
 
 def tool_checks(backend, snapshot) -> list[str]:
@@ -123,32 +121,46 @@ def main() -> int:
     from training.agent.demo_repo import write_demo_repository
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--runtimes", default="runc,runsc,runsc-ptrace",
                         help="runsc runs on systrap, gVisor's default platform")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir="/tmp"))
     work.chmod(0o711)
     repo = write_demo_repository(work / "demo")
-    results: dict[str, dict[str, float]] = {}
+    backends: dict[str, tuple] = {}
     try:
         for runtime in args.runtimes.split(","):
             try:
-                backend = DockerBackend(DockerBackendConfig(root=work / runtime, runtime=runtime, warm_pool_size=1))
+                backend = DockerBackend(DockerBackendConfig(root=work / runtime, runtime=runtime))
+                warm_backend = DockerBackend(DockerBackendConfig(root=work / f"{runtime}-warm", runtime=runtime,
+                                                                 warm_pool_size=1))
             except BackendUnavailable as exc:
                 print(f"[{runtime}] not measured: {exc}", flush=True)
                 continue
-            try:
-                snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
-                failures = tool_checks(backend, snapshot)
-                print(f"[{runtime}] tool checks: {failures or 'all held'}", flush=True)
-                results[runtime] = measure(backend, snapshot, args.reps)
-            finally:
-                backend.close()
-                backend.reap_orphans()
-            for name, value in results[runtime].items():
+            snapshot = backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+            warm_snapshot = warm_backend.snapshot_create(source=RepoSource(kind="path", location=str(repo)))
+            backends[runtime] = (backend, warm_backend, snapshot, warm_snapshot)
+            print(f"[{runtime}] tool checks: {tool_checks(backend, snapshot) or 'all held'}", flush=True)
+            warm_backend.prewarm(snapshot=warm_snapshot, limits=LIMITS)
+            rollout(backend, snapshot)  # warm-up: the semantic_search encoder loads on first use
+        # Rounds interleave the runtimes (in a rotating order), so a change of the machine's load
+        # weighs on every runtime alike.
+        samples = {runtime: {name: [] for name in FIGURES} for runtime in backends}
+        order = list(backends)
+        for round_index in range(args.reps):
+            for runtime in order[round_index % len(order):] + order[:round_index % len(order)]:
+                measure_round(*backends[runtime], samples[runtime])
+        results = {runtime: {name: statistics.median(values) for name, values in figures.items()}
+                   for runtime, figures in samples.items()}
+        for runtime, figures in results.items():
+            for name, value in figures.items():
                 print(f"[{runtime}] {name:<34} {value * 1000:9.1f} ms", flush=True)
     finally:
+        for backend, warm_backend, _, _ in backends.values():
+            for each in (backend, warm_backend):
+                each.close()
+                each.reap_orphans()
         shutil.rmtree(work, ignore_errors=True)
     if "runc" in results:
         print("\nratios runtime/runc (medians)")

@@ -54,3 +54,9 @@ def test_healthz_reports_a_docker_runtime_that_is_configured_but_missing(admin_c
     check = client.get("/healthz").json()["checks"]["sandbox_backend"]
     assert check["ok"] is False
     assert "no OCI runtime 'flowstate-no-such-runtime'" in check["detail"] and "registered: " in check["detail"]
+    # A tier tasks may choose (SANDBOX_RUNTIMES_ALLOWED) that the engine lacks fails the check too.
+    settings.SANDBOX_DOCKER_RUNTIME = "runc"
+    settings.SANDBOX_RUNTIMES_ALLOWED = ["runc", "flowstate-no-such-tier"]
+    check = client.get("/healthz").json()["checks"]["sandbox_backend"]
+    assert check["ok"] is False and check["runtimes"] == ["runc", "flowstate-no-such-tier"]
+    assert "no OCI runtime 'flowstate-no-such-tier'" in check["detail"]

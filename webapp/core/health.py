@@ -94,10 +94,12 @@ def probe_sandbox_backend() -> dict:
         client.ping()
         has_image = bool(client.images.list(name=settings.SANDBOX_IMAGE))
         runtime = settings.SANDBOX_DOCKER_RUNTIME
-        missing = runtime_missing(client, runtime)
+        # The default runtime and every tier a task may choose must be registered with the engine.
+        runtimes = list(dict.fromkeys([runtime, *settings.SANDBOX_RUNTIMES_ALLOWED]))
+        missing = "; ".join(problem for name in runtimes if (problem := runtime_missing(client, name)))
         image = f"image {settings.SANDBOX_IMAGE} {'present' if has_image else 'missing: run manage.py build_sandbox_image'}"
-        return {"ok": has_image and not missing, "runtime": runtime,
-                "detail": f"docker ({runtime}); {image}" + (f"; {missing}" if missing else "")}
+        return {"ok": has_image and not missing, "runtime": runtime, "runtimes": runtimes,
+                "detail": f"docker ({', '.join(runtimes)}); {image}" + (f"; {missing}" if missing else "")}
     found = shutil.which("unshare")
     return {"ok": bool(found), "detail": "local namespaces" if found else "util-linux 'unshare' not found"}
 
