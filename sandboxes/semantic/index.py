@@ -98,17 +98,33 @@ def table_build(*, files: Iterable[tuple[str, bytes]], config: SemanticSearchCon
 
 
 def iter_directory_files(root: Path, *, max_file_bytes: int) -> Iterator[tuple[str, bytes]]:
-    """Indexable files under ``root`` as (relative POSIX path, bytes), in a stable order."""
-    for directory, subdirectories, filenames in os.walk(root):
-        subdirectories[:] = sorted(d for d in subdirectories if d not in SKIPPED_DIRECTORIES)
-        for filename in sorted(filenames):
-            full = Path(directory) / filename
+    """Indexable files under ``root`` as (relative POSIX path, bytes), in a stable order (os.walk's, top-down).
+
+    A loop over an explicit stack, not os.walk, which recurses: a snapshot tree (setup commands wrote
+    it) can nest deeper than the recursion limit. What cannot be read (e.g. a path past PATH_MAX) is skipped.
+    """
+    pending = [root]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+        except OSError:
+            continue
+        for filename in sorted(name for name, is_dir in entries if not is_dir):
+            full = directory / filename
             relative = full.relative_to(root).as_posix()
-            if full.is_symlink() or not full.is_file() or not is_indexable_path(relative):
+            try:
+                if full.is_symlink() or not full.is_file() or not is_indexable_path(relative):
+                    continue
+                if full.stat().st_size > max_file_bytes:
+                    continue
+                data = full.read_bytes()
+            except OSError:
                 continue
-            if full.stat().st_size > max_file_bytes:
-                continue
-            yield relative, full.read_bytes()
+            yield relative, data
+        subdirectories = sorted(name for name, is_dir in entries if is_dir and name not in SKIPPED_DIRECTORIES)
+        pending.extend(directory / name for name in reversed(subdirectories))
 
 
 # --- on-disk base index ---------------------------------------------------------------------------

@@ -150,3 +150,21 @@ def test_the_depth_cap_is_a_validated_setting(settings, monkeypatch, tmp_path):
         monkeypatch.setenv("FLOWSTATE_ARCHIVE_MAX_DEPTH", bad)
         with pytest.raises(ValueError, match="FLOWSTATE_ARCHIVE_MAX_DEPTH"):
             SandboxSettings.from_environment()
+
+
+def test_semantic_indexing_reads_a_snapshot_tree_deeper_than_the_recursion_limit(tmp_path):
+    from sandboxes.semantic.index import iter_directory_files
+
+    (tmp_path / "top.py").write_text("x = 1\n")
+    build_deep(tmp_path, "deep", 1200)
+    deep_file = tmp_path.joinpath(*(["deep"] + ["d"] * 1200)) / "mod.py"
+    try:
+        fd = os.open(deep_file.parent, os.O_RDONLY | os.O_DIRECTORY)
+        leaf = os.open("mod.py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(leaf, b"y = 2\n")
+        os.close(leaf)
+        os.close(fd)
+        files = dict(iter_directory_files(tmp_path, max_file_bytes=1 << 20))
+        assert files["top.py"] == b"x = 1\n" and files[str(deep_file.relative_to(tmp_path))] == b"y = 2\n"
+    finally:
+        remove_tree(tmp_path / "deep")
