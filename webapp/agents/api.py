@@ -104,7 +104,9 @@ class TaskInput(InputSerializer):
     git_ref = serializers.CharField(required=False, allow_blank=True, max_length=200)
     archive = serializers.FileField(required=False, help_text="Upload instead of a repository or git URL.")
     model_name = serializers.CharField(required=False, allow_blank=True, max_length=200, help_text="backend=openai: the remote model; backend=builtin: a registered model name (default: the configured checkpoint).")
-    base_url = serializers.CharField(required=False, allow_blank=True, max_length=500, help_text="backend=openai only.")
+    base_url = serializers.CharField(required=False, allow_blank=True, max_length=500,
+                                     help_text="backend=openai only: an http(s) server on a public address "
+                                               "(internal ones are refused unless the operator allow-lists the host).")
     api_key = serializers.CharField(required=False, allow_blank=True, write_only=True, max_length=500,
                                     help_text="backend=openai only; never returned.")
     limits = TypedConfigField(check=agent_limits_check, required=False,

@@ -23,7 +23,7 @@ class TaskSubmitForm(forms.Form):
         queryset=None, required=False, to_field_name="name", empty_label="— the configured checkpoint —",
         help_text="Built-in backend: an imported open-weights model (see Models)")
     model_name = forms.CharField(required=False, help_text="OpenAI-compatible backend only")
-    base_url = forms.CharField(required=False, label="Base URL", help_text="OpenAI-compatible backend only, e.g. https://api.openai.com/v1")
+    base_url = forms.CharField(required=False, label="Base URL", help_text="OpenAI-compatible backend only, on a public address, e.g. https://api.openai.com/v1")
     api_key = forms.CharField(required=False, label="API key", widget=forms.PasswordInput(render_value=False))
     # Ranges: the same as the API's and the service's (webapp.agents.validation), set in __init__ from settings.
     max_turns = forms.IntegerField(initial=30)
