@@ -133,7 +133,8 @@ def _agent_job_api(run, *, timeout: float = 180.0) -> Listener | None:
             try:
                 url = f"http://{_local_target(listener)}:{listener.port}/api/healthz"
                 with urllib.request.urlopen(url, timeout=5) as response:
-                    if response.status == 200:
+                    # The agent's own answer ("raylet: success ..."), not its metrics port's (any path).
+                    if response.status == 200 and response.read(200).startswith(b"raylet:"):
                         return listener
             except (OSError, http.client.HTTPException):
                 continue
