@@ -245,6 +245,16 @@ def test_the_ray_token_is_private_and_in_no_log(run):
     assert not in_environment, f"the token itself is in the environment of {in_environment}"
 
 
+def test_the_runs_own_ray_client_connects_with_the_token(run):
+    """fleet_serve (a Ray driver, like the experiment drivers the Celery worker starts, with the same
+    inherited environment) joins the authenticated head and places its sandbox host actor."""
+    deadline = time.monotonic() + 180
+    while "fleet running:" not in run.log() and time.monotonic() < deadline:
+        time.sleep(2)
+    log = run.log()
+    assert "fleet running:" in log and "sandbox fleet exited" not in log, log[-3000:]
+
+
 def test_the_stop_removes_the_token_file(run):
     token_path = run.checkout.parent / "state-home" / "flowstate"
     assert list(token_path.glob("ray-*/auth_token")), "no token file under the run's state home"
