@@ -8,14 +8,13 @@ local backend does; file tools and diffs are byte-identical on both backends. Fo
 copies nothing: N overlays share one lower directory.
 
 Containers run under the configured OCI runtime (``SANDBOX_DOCKER_RUNTIME``: runc, or runsc once it
-passes ``sandboxes.docker_runtime.runtime_self_test``) and the configured image (``SANDBOX_IMAGE``, ``sandboxes.settings``; (``manage.py build_sandbox_image``) as
-uid 1000 with every capability dropped, ``no-new-privileges``, a read-only root filesystem, a sized
-tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless ``SandboxLimits.network`` (then
-public addresses only, ``sandboxes.netguard``; runc only). The
-container's main process is ``sleep <lifetime_s>`` under docker-init (both as ``nobody``, out of the
-agent's reach), so the kernel ends every process when the lifetime runs out even if this process
-died. Labels name the owning process and
-deadline so ``reap_orphans`` finds containers whose owner is gone.
+passes ``sandboxes.docker_runtime.runtime_self_test``) and image (``SANDBOX_IMAGE``, built by
+``manage.py build_sandbox_image``) as uid 1000 with every capability dropped, ``no-new-privileges``, a
+read-only root, a sized tmpfs ``/tmp``, cgroup memory/CPU/pids limits and no network unless
+``SandboxLimits.network`` (then public addresses only, ``sandboxes.netguard``; runc only). The main
+process is ``sleep <lifetime_s>`` under docker-init (as ``nobody``), so the kernel ends every process
+when the lifetime runs out even if this process died; labels name the owner and deadline for
+``reap_orphans``.
 """
 
 from __future__ import annotations
@@ -76,9 +75,8 @@ if TYPE_CHECKING:
 
 def _exec_frames(stream: Any) -> Iterator[tuple[int, bytes]]:
     """(stream id, bytes) frames of a non-TTY ``docker exec`` stream, read through the HTTP response's
-    buffered reader. docker-py's own reader (``frames_iter``) reads the raw socket beneath that buffer,
-    so output that arrived together with the response headers was lost and the frames after it misread
-    (a stderr frame's header showed up in stdout on a loaded machine)."""
+    buffered reader: docker-py's ``frames_iter`` reads the raw socket beneath that buffer, so output that
+    arrived with the response headers would be lost and the frames after it misread."""
     from docker.utils.socket import frames_iter
 
     try:
@@ -103,8 +101,7 @@ class DockerBackendConfig:
     """Settings of the Docker backend."""
 
     image: str | None = None
-    """Default container image; ``None``: the configured ``SANDBOX_IMAGE`` (``sandboxes.settings``;
-    ``flowstate-sandbox:latest``)."""
+    """Default container image; ``None``: the configured ``SANDBOX_IMAGE`` (``flowstate-sandbox:latest``)."""
     root: Path | None = None
     """Host state directory (snapshots, overlay mounts); default: the configured ``SANDBOX_ROOT / "docker"``."""
     cpus: float = 1.0
@@ -117,17 +114,15 @@ class DockerBackendConfig:
     """Started sandboxes kept ready per (snapshot, limits) once ``prewarm`` named the pair; 0: no pool."""
     warm_max_idle_s: float = 300.0
     """A warm sandbox unclaimed this long is replaced; its container lives lifetime_s plus this."""
-    setup_limits: SandboxLimits = field(
-        default_factory=lambda: SandboxLimits(command_timeout_s=600.0, lifetime_s=1800.0, disk_mb=4096)
-    )
+    setup_limits: SandboxLimits = field(default_factory=lambda: SandboxLimits(
+        command_timeout_s=600.0, lifetime_s=1800.0, disk_mb=4096))
     """Limits of the container that runs a snapshot's setup commands."""
     archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
     """Bounds on archives accepted as snapshot sources."""
     start_workers: int = 8
     """Containers ``sandbox_fork`` starts concurrently."""
     runtime: str | None = None
-    """OCI runtime of the containers (``runc``, ``runsc``); ``None``: the configured
-    ``SANDBOX_DOCKER_RUNTIME`` (``sandboxes.settings``). The engine must have it registered."""
+    """OCI runtime (``runc``, ``runsc``), registered with the engine; ``None``: ``SANDBOX_DOCKER_RUNTIME``."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.cpus <= 64:

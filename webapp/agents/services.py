@@ -135,6 +135,31 @@ def _limits_check(limits: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @transaction.atomic
+def _policy_fields_check(
+    *, owner, backend: str, model_name: str, base_url: str, api_key: str, builtin_base_url: str
+) -> tuple[str, str, str]:
+    """(model_name, base_url, api_key) of the chosen policy backend, checked."""
+    if backend == AgentTask.Backend.OPENAI:
+        base_url = (base_url or settings.OPENAI_BASE_URL or "").strip()
+        model_name = (model_name or settings.OPENAI_MODEL or "").strip()
+        if not base_url.startswith(("http://", "https://")):
+            raise ValidationError({"base_url": "give the http(s) base URL of the OpenAI-compatible server (or set OPENAI_BASE_URL)"})
+        base_url = base_url_check(url=base_url, builtin_base_url=settings.AGENT_BUILTIN_BASE_URL or builtin_base_url)
+        if not model_name:
+            raise ValidationError({"model_name": "name the model to call (or set OPENAI_MODEL)"})
+    elif backend == AgentTask.Backend.BUILTIN:
+        model_name = _builtin_model_check(owner=owner, model_name=model_name)
+        base_url = settings.AGENT_BUILTIN_BASE_URL or builtin_base_url
+        if not base_url:
+            raise ValidationError({"backend": "set AGENT_BUILTIN_BASE_URL so workers can reach this server's /v1 endpoint"})
+        api_key = ""
+    else:
+        from training.agent.scripted import SCRIPTED_MODEL_NAME
+
+        model_name, base_url, api_key = SCRIPTED_MODEL_NAME, "", ""
+    return model_name, base_url, api_key
+
+
 def task_create(
     *,
     owner,
@@ -179,24 +204,10 @@ def task_create(
     sandbox_runtime = sandbox_runtime_check(sandbox_runtime)
     policy_options = policy_options_check(backend=backend, options=policy_options)
 
-    if backend == AgentTask.Backend.OPENAI:
-        base_url = (base_url or settings.OPENAI_BASE_URL or "").strip()
-        model_name = (model_name or settings.OPENAI_MODEL or "").strip()
-        if not base_url.startswith(("http://", "https://")):
-            raise ValidationError({"base_url": "give the http(s) base URL of the OpenAI-compatible server (or set OPENAI_BASE_URL)"})
-        base_url = base_url_check(url=base_url, builtin_base_url=settings.AGENT_BUILTIN_BASE_URL or builtin_base_url)
-        if not model_name:
-            raise ValidationError({"model_name": "name the model to call (or set OPENAI_MODEL)"})
-    elif backend == AgentTask.Backend.BUILTIN:
-        model_name = _builtin_model_check(owner=owner, model_name=model_name)
-        base_url = settings.AGENT_BUILTIN_BASE_URL or builtin_base_url
-        if not base_url:
-            raise ValidationError({"backend": "set AGENT_BUILTIN_BASE_URL so workers can reach this server's /v1 endpoint"})
-        api_key = ""
-    else:
-        from training.agent.scripted import SCRIPTED_MODEL_NAME
-
-        model_name, base_url, api_key = SCRIPTED_MODEL_NAME, "", ""
+    model_name, base_url, api_key = _policy_fields_check(
+        owner=owner, backend=backend, model_name=model_name, base_url=base_url, api_key=api_key,
+        builtin_base_url=builtin_base_url,
+    )
 
     active_tasks_check(user=owner)  # locks the owner's row: concurrent submissions take turns at the cap
     if repository is not None:
