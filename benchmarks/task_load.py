@@ -145,7 +145,9 @@ class Stack:
                     # Sandbox init processes run as an unprivileged uid: their root must be traversable
                     # (make run's default: var/sandboxes, or /var/lib/flowstate/... below a closed directory).
                     "SANDBOX_ROOT": str(default_sandbox_root(ROOT / "var")),
-                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    # One user submits the whole load: the per-user cap of active tasks would refuse it.
+                    "FLOWSTATE_USER_MAX_ACTIVE_TASKS": "100000"})
         env.update(self.env_extra)
         return env
 

@@ -14,6 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Kernel modules decide at import whether to interpret their @triton.jit functions, and any test
+# module may import them first (through the model code), so the interpreter is chosen here, before
+# any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from django.conf import settings
 
 from webapp.server_command import asgi_server_command

@@ -455,7 +455,12 @@ class ChatModel:
         by_request: dict[int, _Submission] = {}
         while True:
             try:
-                message = self._inbox.get(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    message = self._inbox.get_nowait()
+                elif self.scheduler.has_waiting():  # requests wait for slots that finished requests freed
+                    message = self._inbox.get(timeout=0.05)
+                else:
+                    message = self._inbox.get()
             except queue.Empty:
                 message = None
             while message is not None:

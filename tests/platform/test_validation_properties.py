@@ -113,7 +113,8 @@ def valid_limits(draw) -> dict:
 
 @PROPERTY
 @given(limits=valid_limits(), delay=st.floats(min_value=0, max_value=60))
-def test_task_api_accepts_every_value_in_range(owner, api_client_for, limits, delay):
+def test_task_api_accepts_every_value_in_range(owner, api_client_for, settings, limits, delay):
+    settings.USER_MAX_ACTIVE_TASKS = 10**6  # every example stores a task for the same owner
     response = _post(api_client_for(owner), "/api/tasks/",
                      _task_body(limits=limits, policy_options={"step_delay_s": delay}))
     assert response.status_code == 201, response.content
