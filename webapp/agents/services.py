@@ -209,25 +209,28 @@ def task_create(
         builtin_base_url=builtin_base_url,
     )
 
-    active_tasks_check(user=owner)  # locks the owner's row: concurrent submissions take turns at the cap
-    if repository is not None:
-        kind, location, ref, label = repository.kind, repository.location, repository.ref, repository.name
-    elif git_url:
-        kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref_check(ref=git_ref)
-        label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
-    elif archive is not None:
-        with upload_allowance(user=owner, size=archive.size):
-            kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
-    else:
-        raise ValidationError({"repository": "give a repository, a git URL or an archive"})
+    # One transaction: the owner's row stays locked from the count of active tasks to the insert, so
+    # concurrent submissions take turns at the cap (select_for_update needs the transaction).
+    with transaction.atomic():
+        active_tasks_check(user=owner)  # locks the owner's row: concurrent submissions take turns at the cap
+        if repository is not None:
+            kind, location, ref, label = repository.kind, repository.location, repository.ref, repository.name
+        elif git_url:
+            kind, location, ref = Repository.Kind.GIT, git_url_check(url=git_url), git_ref_check(ref=git_ref)
+            label = location.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git") or location
+        elif archive is not None:
+            with upload_allowance(user=owner, size=archive.size):
+                kind, location, ref, label = Repository.Kind.ARCHIVE, str(archive_store(upload=archive)), "", archive.name
+        else:
+            raise ValidationError({"repository": "give a repository, a git URL or an archive"})
 
-    task = AgentTask.objects.create(
-        owner=owner, team=team, repository=repository, repo_kind=kind, repo_location=location, repo_ref=ref,
-        repo_label=label[:200], prompt=prompt, backend=backend, model_name=model_name, base_url=base_url,
-        api_key=api_key, limits=limits, policy_options=policy_options, sandbox_runtime=sandbox_runtime,
-    )
-    if enqueue:
-        transaction.on_commit(lambda: task_enqueue(task_id=task.pk))
+        task = AgentTask.objects.create(
+            owner=owner, team=team, repository=repository, repo_kind=kind, repo_location=location, repo_ref=ref,
+            repo_label=label[:200], prompt=prompt, backend=backend, model_name=model_name, base_url=base_url,
+            api_key=api_key, limits=limits, policy_options=policy_options, sandbox_runtime=sandbox_runtime,
+        )
+        if enqueue:
+            transaction.on_commit(lambda: task_enqueue(task_id=task.pk))
     return task
 
 
