@@ -26,7 +26,7 @@ def demo_seed(*, user) -> str:
     finished = AgentTask.objects.filter(owner=user, repository=repository, status=AgentTask.Status.SUCCEEDED).first()
     if finished is None:
         task = task_create(owner=user, team=team, repository=repository, prompt=DEMO_PROMPT,
-                           backend=AgentTask.Backend.SCRIPTED, enqueue=False)
+                           backend=str(AgentTask.Backend.SCRIPTED), enqueue=False)
         outcome = task_run(task_id=task.pk)
         task.refresh_from_db()
         return f"repository '{repository.name}' at {path}; demo task {task.pk}: {outcome}; {task.verdict}"
