@@ -13,8 +13,8 @@ Why this shape, in a threaded Celery/ASGI worker:
   was tried), and the child would inherit the worker's open database/Redis connections, its secrets in
   memory and a multi-GiB address space that ``RLIMIT_AS`` could not bound. A compromised extractor
   would hold all of that.
-* Not a fresh interpreter per archive (what issue 42 first did): correct, but one interpreter start
-  (0.1 s idle, 0.4 s+ loaded) per snapshot doubled extraction time.
+* Not a fresh interpreter per archive: correct, but one interpreter start per snapshot doubles
+  extraction time (docs/notebook/sandboxes.md).
 * The server is started once with ``subprocess`` (``fork_exec``: no Python at-fork handlers run in
   the worker), already unprivileged (``setpriv``) or dropping privileges itself before it reads its
   socket when no interpreter can import this package as that uid. It is single-threaded, so its own

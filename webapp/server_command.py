@@ -43,7 +43,7 @@ def asgi_server_command(*, host: str, port: int, log_level: str = "info") -> lis
     return [
         sys.executable, "-m", "uvicorn", "webapp.asgi:application",
         "--host", host, "--port", str(port), "--log-level", log_level, "--log-config", str(LOG_CONFIG),
-        # Per-message deflate compresses every live event once per viewer: +30 ms p99 with 500
-        # viewers of one task (docs/notebook/events.md, stop 12).
+        # Per-message deflate compresses every live event once per viewer, which costs latency when
+        # many viewers watch one task (docs/notebook/events.md).
         "--ws-per-message-deflate", "false",
     ]

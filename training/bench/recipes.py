@@ -158,7 +158,7 @@ def run_recipe(config: RecipeConfig) -> RecipeRun:
 
 
 def rl_config(config: RecipeConfig):
-    """The documented RL recipe (models/demo/README.md, run 56) at this budget and seed."""
+    """The documented RL recipe (models/demo/README.md) at this budget and seed."""
     from training.rollout.driver import AsyncRLConfig
 
     values = dict(
