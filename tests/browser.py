@@ -54,3 +54,15 @@ def console_error(errors: list[str], message) -> None:
     """Collect a page's console errors; the browser's own favicon request (the app serves none) is not one."""
     if message.type == "error" and not (message.location or {}).get("url", "").endswith("/favicon.ico"):
         errors.append(f"{message.text} ({(message.location or {}).get('url', '')})")
+
+
+def submit_scripted_task(page, base_url: str, repository_pk: int, *, step_delay_s: float) -> int:
+    """Submit the demo prompt with the scripted backend through the task form; returns the new task's id."""
+    page.goto(f"{base_url}/tasks/")
+    page.select_option("select[name=repository]", str(repository_pk))
+    page.fill("textarea[name=prompt]", "Fix the failing median test")
+    page.select_option("select[name=backend]", "scripted")
+    page.fill("input[name=step_delay_s]", str(step_delay_s))
+    page.click("#task-form button[type=submit]")
+    page.wait_for_url(f"{base_url}/tasks/*/")
+    return int(page.url.rstrip("/").rsplit("/", 1)[-1])

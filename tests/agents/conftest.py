@@ -40,3 +40,13 @@ def _no_heartbeat_in_test_transactions(request, settings):
     if "transactional_db" not in request.fixturenames:
         settings.AGENT_HEARTBEAT_S = 3600
         settings.AGENT_STALE_AFTER_S = 7200
+
+
+@pytest.fixture
+def fresh_limit_keys():
+    """Per-user limit counters of earlier tests (a reused user id) must not leak into this one."""
+    from webapp.accounts.limits import redis_client
+
+    client = redis_client()
+    for key in client.scan_iter("flowstate:limit:*"):
+        client.delete(key)

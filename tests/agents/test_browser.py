@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import chromium_page, login
+from tests.browser import chromium_page, login, submit_scripted_task
 
 pytestmark = pytest.mark.browser
 
@@ -15,14 +15,7 @@ def test_watch_live_run_reconnect_and_find_it_again(owner, demo_repository, asgi
     base = f"http://{asgi_server}"
     with chromium_page("agents_live_run") as page:
         login(page, base, "owner", "owner-pass-123")
-        page.goto(f"{base}/tasks/")
-        page.select_option("select[name=repository]", str(demo_repository.pk))
-        page.fill("textarea[name=prompt]", "Fix the failing median test")
-        page.select_option("select[name=backend]", "scripted")
-        page.fill("input[name=step_delay_s]", "0.6")
-        page.click("#task-form button[type=submit]")
-        page.wait_for_url(f"{base}/tasks/*/")
-        task_id = int(page.url.rstrip("/").rsplit("/", 1)[-1])
+        task_id = submit_scripted_task(page, base, demo_repository.pk, step_delay_s=0.6)
 
         # Steps show up while the agent is still running.
         page.wait_for_function("() => window.flowstateTrace && flowstateTrace.status === 'running' && "

@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from training.serving_scheduler import FairAdmission
-from webapp.accounts.limits import redis_client
 from webapp.accounts.services import api_token_get_or_create
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -22,12 +21,7 @@ VICTIM_BOUND_S = 8.0
 come, first served it waits for most of the flood's 64 long choices)."""
 
 
-@pytest.fixture(autouse=True)
-def _fresh_limit_keys():
-    client = redis_client()
-    for key in client.scan_iter("flowstate:limit:*"):
-        client.delete(key)
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_limit_keys")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import chromium_page, console_error, login
+from tests.browser import chromium_page, console_error, login, submit_scripted_task
 
 pytestmark = pytest.mark.browser
 
@@ -108,14 +108,7 @@ def test_watch_live_scrolling_like_a_person(owner, demo_repository, asgi_server,
         page.on("console", lambda message: console_error(errors, message))
         page.on("pageerror", lambda error: errors.append(str(error)))
         login(page, base, "owner", "owner-pass-123")
-        page.goto(f"{base}/tasks/")
-        page.select_option("select[name=repository]", str(demo_repository.pk))
-        page.fill("textarea[name=prompt]", "Fix the failing median test")
-        page.select_option("select[name=backend]", "scripted")
-        page.fill("input[name=step_delay_s]", "0.6")
-        page.click("#task-form button[type=submit]")
-        page.wait_for_url(f"{base}/tasks/*/")
-        task_id = int(page.url.rstrip("/").rsplit("/", 1)[-1])
+        task_id = submit_scripted_task(page, base, demo_repository.pk, step_delay_s=0.6)
 
         page.wait_for_function("() => window.flowstateTrace && flowstateTrace.status === 'running'", timeout=60_000)
         _watch_live(page, bare)

@@ -11,18 +11,10 @@ import zipfile
 import pytest
 from django.db import connection
 
-from webapp.accounts.limits import redis_client
 from webapp.agents import services
 from webapp.agents.models import AgentTask, TaskFollowUp
 
-
-@pytest.fixture(autouse=True)
-def _fresh_limit_keys():
-    """Counters of earlier tests (a reused user id) must not leak into this one."""
-    client = redis_client()
-    for key in client.scan_iter("flowstate:limit:*"):
-        client.delete(key)
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_limit_keys")
 
 
 def _task_body(repository) -> dict:
